@@ -1,0 +1,50 @@
+# The two commands of the README:
+#   make demo   sets up this machine and runs the demo (no cluster needed)
+#   make test   sets up this machine and runs every check (ruff, mypy, pytest)
+# Both are idempotent: a second run reuses the virtual environment.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint typecheck crds docs system-deps clean
+
+setup: $(STAMP)
+
+# torch is installed first and pinned, so that the project's looser torch
+# requirement is already met and no multi-GB CUDA build is pulled on a CPU host.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+system-deps:
+	scripts/system-deps.sh
+
+demo: setup
+	$(BIN)/batchpilot-operator demo $(DEMO_ARGS)
+
+lint: setup
+	$(BIN)/ruff check operator runtime tests
+	$(BIN)/ruff format --check operator runtime tests
+
+typecheck: setup
+	$(BIN)/mypy
+
+crds: setup
+	$(BIN)/batchpilot-operator crd -o crds/batchpilot.dev_batchprofiles.yaml -o charts/batchpilot/crds/batchpilot.dev_batchprofiles.yaml
+
+docs: setup
+	$(BIN)/python scripts/update-readme-reference.py
+
+test: setup system-deps lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

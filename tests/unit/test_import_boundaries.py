@@ -1,0 +1,71 @@
+"""The runtime must not import kopf or the Kubernetes client; the operator must not
+import torch; the wire contract imports neither torch nor a web framework.
+
+Each check runs in a fresh interpreter where the forbidden packages cannot be
+imported, which is what an install with only the matching extra looks like."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+BLOCKER = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+
+    class Block:
+        def __init__(self, names):
+            self.names = names
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in self.names:
+                raise ImportError(f"blocked import of {name}")
+            return None
+
+    sys.meta_path.insert(0, Block(set(sys.argv[1].split(","))))
+    for target in sys.argv[2].split(","):
+        if target.endswith(".*"):
+            package = importlib.import_module(target[:-2])
+            for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+                if info.name.split(".")[-1] not in set(sys.argv[3].split(",")):
+                    importlib.import_module(info.name)
+        else:
+            importlib.import_module(target)
+    print("ok")
+    """
+)
+
+OPERATOR_FORBIDDEN = "torch,transformers,fastapi,uvicorn,starlette,safetensors"
+RUNTIME_FORBIDDEN = "kopf,kubernetes,prometheus_api_client,kmock"
+CONTRACT_FORBIDDEN = "torch,fastapi,uvicorn,starlette,kopf,kubernetes"
+CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.window,batchpilot_runtime.admin_api,batchpilot_runtime.metric_names,batchpilot_runtime.trace"
+
+
+def _run(forbidden: str, targets: str, skip: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER, forbidden, targets, skip or "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("forbidden", "targets"),
+    [
+        pytest.param(OPERATOR_FORBIDDEN, "batchpilot_operator.*", id="operator-without-torch"),
+        pytest.param(RUNTIME_FORBIDDEN, "batchpilot_runtime.*", id="runtime-without-kopf"),
+        pytest.param(CONTRACT_FORBIDDEN, CONTRACT_MODULES, id="contract-without-torch-or-web"),
+    ],
+)
+def test_import_boundary(forbidden: str, targets: str) -> None:
+    result = _run(forbidden, targets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
+def test_blocker_really_blocks() -> None:
+    result = _run("json", "json")
+    assert result.returncode != 0
+    assert "blocked import of json" in result.stderr

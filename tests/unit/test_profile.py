@@ -1,0 +1,130 @@
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batchpilot_operator.profile import BatchProfileSpec, ProfileError, parse_manifest, parse_spec
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
+
+
+def make_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": "m",
+        "selector": {"matchLabels": {"app": "m"}},
+        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
+        "slo": {"p99Ms": 800},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def test_defaults_fill_a_minimal_spec() -> None:
+    spec = parse_spec(make_spec())
+    assert spec.tuning.mode.value == "adaptive"
+    assert spec.tuning.interval_seconds == 15
+    assert spec.window.tail_mark_ratio == 2.0
+    assert spec.batch_friendliness.value == "auto"
+    assert spec.slo.latency_metric.value == "ttft"
+    assert spec.lanes == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (
+            {"window": {"targetBatchSize": 16, "hardCap": 8, "maxWaitMs": 0}},
+            ["spec.window", "targetBatchSize", "hardCap"],
+        ),
+        ({"window": {"targetBatchSize": 0, "hardCap": 8, "maxWaitMs": 0}}, ["spec.window.targetBatchSize"]),
+        ({"slo": {"p99Ms": -5}}, ["spec.slo.p99Ms"]),
+        ({"slo": {"p99Ms": 800, "p999Ms": 400}}, ["slo.p999Ms", "slo.p99Ms"]),
+        ({"slo": {"p99Ms": 800, "latencyMetric": "tpot"}}, ["spec.slo.latencyMetric"]),
+        ({"batchFriendliness": "extreme"}, ["spec.batchFriendliness"]),
+        ({"selector": {}}, ["spec.selector"]),
+        ({"tuning": {"bounds": {"hardCap": {"min": 32, "max": 8}}}}, ["spec.tuning.bounds.hardCap", "min", "max"]),
+        (
+            {"tuning": {"bounds": {"targetBatchSize": {"min": 10, "max": 20}}}},
+            ["window.targetBatchSize", "tuning.bounds"],
+        ),
+        ({"tuning": {"maxStepFraction": 0}}, ["spec.tuning.maxStepFraction"]),
+        ({"tuning": {"mode": "auto"}}, ["spec.tuning.mode"]),
+        (
+            {"lanes": [{"name": "Critical!", "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}]},
+            ["spec.lanes.0.name"],
+        ),
+        (
+            {
+                "lanes": [
+                    {"name": "c", "reservedSlots": 99, "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}
+                ]
+            },
+            ["reservedSlots", "window.hardCap"],
+        ),
+        (
+            {"lanes": [{"name": "c", "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}] * 2},
+            ["lanes[].name", "c"],
+        ),
+        ({"windw": {}}, ["spec.windw"]),
+    ],
+)
+def test_bad_specs_name_the_field(overrides: dict[str, Any], names: list[str]) -> None:
+    with pytest.raises(ProfileError) as caught:
+        parse_spec(make_spec(**overrides))
+    for name in names:
+        assert name in str(caught.value)
+
+
+def test_missing_required_fields_are_named() -> None:
+    with pytest.raises(ProfileError) as caught:
+        parse_spec({"model": "m"})
+    message = str(caught.value)
+    for name in ("spec.selector", "spec.window", "spec.slo"):
+        assert name in message
+
+
+def test_spec_that_is_not_a_mapping_is_refused_cleanly() -> None:
+    with pytest.raises(ProfileError, match="spec"):
+        parse_spec("just a string")
+
+
+def test_manifest_needs_kind_and_name() -> None:
+    with pytest.raises(ProfileError, match="apiVersion/kind"):
+        parse_manifest({"apiVersion": "v1", "kind": "Pod"})
+    with pytest.raises(ProfileError, match=r"metadata\.name"):
+        parse_manifest({"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchProfile", "spec": make_spec()})
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_parse(path: Path) -> None:
+    namespace, name, spec = parse_manifest(yaml.safe_load(path.read_text()))
+    assert isinstance(spec, BatchProfileSpec)
+    assert name and namespace
+
+
+def test_there_are_the_three_required_examples() -> None:
+    specs = [parse_manifest(yaml.safe_load(p.read_text()))[2] for p in EXAMPLES]
+    chat = [s for s in specs if s.slo.latency_metric.value == "ttft" and s.slo.p99_ms == 800]
+    assert chat and 16 <= chat[0].window.target_batch_size <= chat[0].window.hard_cap <= 32
+    offline = [s for s in specs if s.window.target_batch_size >= 128]
+    assert offline and offline[0].window.hard_cap <= 256
+    assert any(lane.name == "critical" for s in specs for lane in s.lanes)
+
+
+def test_label_selector_matching() -> None:
+    spec = parse_spec(
+        make_spec(
+            selector={
+                "matchLabels": {"app": "m"},
+                "matchExpressions": [
+                    {"key": "tier", "operator": "In", "values": ["gpu", "cpu"]},
+                    {"key": "canary", "operator": "DoesNotExist"},
+                ],
+            }
+        )
+    )
+    assert spec.selector.matches({"app": "m", "tier": "gpu"})
+    assert not spec.selector.matches({"app": "m", "tier": "tpu"})
+    assert not spec.selector.matches({"app": "m", "tier": "gpu", "canary": "yes"})
+    assert not spec.selector.matches({"tier": "gpu"})

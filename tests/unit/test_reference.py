@@ -1,0 +1,18 @@
+from pathlib import Path
+
+from batchpilot_operator.reference import BEGIN_MARKER, END_MARKER, render_reference
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_embeds_the_generated_reference() -> None:
+    text = README.read_text()
+    assert BEGIN_MARKER in text and END_MARKER in text, "README lacks the reference markers"
+    embedded = text.split(BEGIN_MARKER, 1)[1].split(END_MARKER, 1)[0].strip("\n")
+    assert embedded == render_reference().strip("\n"), "README's BatchProfile reference is stale: run `make docs`"
+
+
+def test_reference_names_every_window_field() -> None:
+    text = render_reference()
+    for field in ("targetBatchSize", "hardCap", "maxWaitMs", "tailMarkRatio", "p99Ms", "cooldownSeconds"):
+        assert f"spec.window.{field}" in text or field in text

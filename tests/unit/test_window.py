@@ -1,0 +1,83 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from batchpilot_runtime.admin_api import WindowUpdate
+from batchpilot_runtime.window import Window
+
+
+def make_window(**overrides: object) -> Window:
+    fields: dict[str, object] = {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20, "tailMarkRatio": 2.0}
+    fields.update(overrides)
+    return Window.model_validate(fields)
+
+
+def test_camel_case_on_the_wire_snake_case_in_python() -> None:
+    window = make_window(generation=3)
+    assert window.target_batch_size == 8
+    assert window.model_dump(by_alias=True) == {
+        "targetBatchSize": 8,
+        "hardCap": 16,
+        "maxWaitMs": 20,
+        "tailMarkRatio": 2.0,
+        "generation": 3,
+    }
+
+
+def test_target_above_cap_is_refused_naming_both_fields() -> None:
+    with pytest.raises(ValidationError) as caught:
+        make_window(targetBatchSize=16, hardCap=8)
+    message = str(caught.value)
+    assert "targetBatchSize (16)" in message
+    assert "hardCap (8)" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("targetBatchSize", 0),
+        ("hardCap", 0),
+        ("maxWaitMs", -1),
+        ("tailMarkRatio", 1.0),
+        ("tailMarkRatio", 0.5),
+        ("generation", -1),
+        ("targetBatchSize", "many"),
+    ],
+)
+def test_each_bad_field_is_named(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as caught:
+        make_window(**{field: value})
+    assert [e["loc"] for e in caught.value.errors()] == [(field,)]
+
+
+def test_unknown_fields_are_refused() -> None:
+    with pytest.raises(ValidationError) as caught:
+        make_window(batchSize=4)
+    assert caught.value.errors()[0]["loc"] == ("batchSize",)
+
+
+def test_update_body_round_trips() -> None:
+    body = {"window": make_window(generation=7).model_dump(by_alias=True)}
+    update = WindowUpdate.model_validate(body)
+    assert update.window.generation == 7
+    assert update.lanes is None
+
+
+@given(
+    target=st.integers(min_value=1, max_value=4096),
+    cap=st.integers(min_value=1, max_value=4096),
+    wait=st.integers(min_value=0, max_value=60_000),
+)
+def test_valid_exactly_when_target_within_cap(target: int, cap: int, wait: int) -> None:
+    try:
+        window = make_window(targetBatchSize=target, hardCap=cap, maxWaitMs=wait)
+    except ValidationError:
+        assert target > cap
+    else:
+        assert window.target_batch_size <= window.hard_cap
+
+
+def test_fields_equal_ignores_generation() -> None:
+    assert make_window(generation=1).fields_equal(make_window(generation=9))
+    assert not make_window().fields_equal(make_window(maxWaitMs=21))
