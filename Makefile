@@ -38,7 +38,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 crds: setup
-	$(BIN)/batchpilot-operator crd -o crds/batchpilot.dev_batchprofiles.yaml -o charts/batchpilot/crds/batchpilot.dev_batchprofiles.yaml
+	$(BIN)/batchpilot-operator crd -o crds/batchpilot.dev_batchprofiles.yaml -o charts/batchpilot/crds/batchpilot.dev_batchprofiles.yaml -o deploy/base/crds/batchpilot.dev_batchprofiles.yaml
 
 docs: setup
 	$(BIN)/python scripts/update-readme-reference.py
