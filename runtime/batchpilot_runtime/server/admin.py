@@ -1,0 +1,114 @@
+"""The admin app (its own port): read and replace the batching window.
+
+``PUT /admin/window`` takes an ``admin_api.WindowUpdate`` with a bearer token: 401 without
+a valid token, 422 for an invalid body or a window the pod cannot hold, 409 for a generation
+older than the one in force, 200 with the applied ``WindowState`` otherwise. The window
+applies at the engine's next step boundary.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from batchpilot_runtime.admin_api import ADMIN_WINDOW_PATH, AdminError, WindowState, WindowUpdate
+from batchpilot_runtime.engine import InvalidWindowError, StaleGenerationError
+from batchpilot_runtime.server.app import ApiError, read_body
+from batchpilot_runtime.server.context import ServingContext
+from batchpilot_runtime.server.logs import RequestIdMiddleware
+
+logger = logging.getLogger("batchpilot.admin")
+
+MAX_ADMIN_BODY_BYTES = 1024 * 1024
+
+
+def _refusal(
+    status: int,
+    error: str,
+    detail: str,
+    ctx: ServingContext,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    in_force = ctx.loaded.engine.window_state().window if ctx.loaded is not None else None
+    body = AdminError(error=error, detail=detail, window_in_force=in_force)
+    return JSONResponse(body.model_dump(mode="json", by_alias=True), status_code=status, headers=headers)
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """Each problem as ``field.path: message``, with the wire (camelCase) field names."""
+    lines = []
+    for item in error.errors(include_url=False):
+        path = ".".join(str(p) for p in item["loc"]) or "body"
+        lines.append(f"{path}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def _token_ok(header: str | None, token: str) -> bool:
+    if header is None:
+        return False
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def create_admin_app(ctx: ServingContext) -> FastAPI:
+    app = FastAPI(title="batchpilot runtime admin", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+
+    @app.get(ADMIN_WINDOW_PATH, response_model=WindowState, response_model_by_alias=True)
+    async def get_window() -> JSONResponse:
+        if ctx.loaded is None:
+            return JSONResponse({"error": "loading", "detail": "the model is still loading"}, status_code=503)
+        state = ctx.loaded.engine.window_state()
+        return JSONResponse(state.model_dump(mode="json", by_alias=True))
+
+    @app.put(
+        ADMIN_WINDOW_PATH,
+        response_model=WindowState,
+        responses={401: {"model": AdminError}, 409: {"model": AdminError}, 422: {"model": AdminError}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": WindowUpdate.model_json_schema(by_alias=True)}},
+            }
+        },
+    )
+    async def put_window(request: Request) -> JSONResponse:
+        # 1. Authenticate before reading anything else.
+        if not _token_ok(request.headers.get("authorization"), ctx.admin_token):
+            return _refusal(
+                401,
+                "unauthorized",
+                "a valid 'Authorization: Bearer <token>' header is required",
+                ctx,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if ctx.loaded is None:
+            return _refusal(503, "loading", "the model is still loading", ctx)
+        # 2. Validate the body against the wire model.
+        try:
+            update = WindowUpdate.model_validate_json(await read_body(request, MAX_ADMIN_BODY_BYTES))
+        except ApiError as error:
+            return _refusal(413, "too_large", error.message, ctx)
+        except ValidationError as error:
+            return _refusal(422, "invalid_window", describe_validation_error(error), ctx)
+        # 3. Let the engine decide against what is in force and what the pod can hold.
+        try:
+            state = ctx.loaded.engine.update_window(update)
+        except StaleGenerationError as error:
+            return _refusal(409, "stale_generation", str(error), ctx)
+        except InvalidWindowError as error:
+            return _refusal(422, "invalid_window", str(error), ctx)
+        ctx.window_changed(state)
+        logger.info(
+            "window updated", extra={"window": state.window.describe(), "lanes": [lane.name for lane in state.lanes]}
+        )
+        return JSONResponse(state.model_dump(mode="json", by_alias=True))
+
+    app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
+    return app

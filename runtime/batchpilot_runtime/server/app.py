@@ -1,0 +1,497 @@
+"""The serving app: OpenAI-compatible completions, models, health, readiness and metrics.
+
+Handlers validate, submit to ``AsyncEngine`` and await its token events; they never touch
+the scheduler. A completion whose client goes away is aborted at once, which frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from batchpilot_runtime.admin_api import LANE_HEADER
+from batchpilot_runtime.engine import (
+    EngineStoppedError,
+    GenerationRequest,
+    QueueFullError,
+    RequestRejected,
+    TokenEvent,
+)
+from batchpilot_runtime.server.context import LoadedModel, ServingContext
+from batchpilot_runtime.server.logs import RequestIdMiddleware
+from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
+from batchpilot_runtime.server.openai_schema import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from batchpilot_runtime.server.text import StopStringDetector
+
+logger = logging.getLogger("batchpilot.server")
+
+DRAINING_RETRY_AFTER_S = 1
+# A prompt of the longest context in token ids is well under this; anything larger is refused unread.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape; ``param`` names the offending field."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    # pydantic names a union's member types in the location ("constrained-str", "list[int]");
+    # the user wants the field and the index.
+    parts = [str(p) for p in loc if isinstance(p, int) or not ("-" in p or "[" in p or p in _UNION_TAGS)]
+    return ".".join(parts) or "body"
+
+
+def validation_error(error: ValidationError) -> ApiError:
+    errors = error.errors(include_url=False)
+    # With a union (a prompt is text or token ids) the deepest error is the one about the member the
+    # client meant: [1, -2] is a list with a bad item, not a string.
+    worst = max(errors, key=lambda e: len(e["loc"]))
+    field = str(worst["loc"][0]) if worst["loc"] else "body"
+    return ApiError(400, f"{_field_path(tuple(worst['loc']))}: {worst['msg']}", param=field)
+
+
+async def read_body(request: Request, limit_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with 413 past ``limit_bytes`` without buffering the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise ApiError(413, f"body: {declared} bytes is over the limit of {limit_bytes}", param="body")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise ApiError(413, f"body: over the limit of {limit_bytes} bytes", param="body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_completion_request(raw: bytes) -> CompletionRequest:
+    try:
+        payload = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ApiError(400, f"body: not valid JSON ({error})", param="body") from None
+    except RecursionError:
+        raise ApiError(400, "body: JSON nested too deeply", param="body") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(payload).__name__}", param="body")
+    if "prompt" not in payload:
+        raise ApiError(400, "prompt: field required", param="prompt")
+    try:
+        return CompletionRequest.model_validate(payload)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+class _Completion:
+    """One accepted completion: its engine request, its text and the cleanup owed when it ends."""
+
+    def __init__(self, ctx: ServingContext, loaded: LoadedModel, request: GenerationRequest, stops: tuple[str, ...]):
+        self.ctx = ctx
+        self.loaded = loaded
+        self.request = request
+        self.detector = StopStringDetector(loaded.tokenizer.decode, stops)
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._closed = False
+
+    @property
+    def id(self) -> str:
+        return self.request.request_id
+
+    def on_event(self, event: TokenEvent) -> str:
+        """Apply one engine event; returns the text delta to send."""
+        delta = ""
+        if event.token_id is not None and self.finish_reason is None:
+            delta = self.detector.push(event.token_id)
+            self.ctx.metrics.on_generated_tokens(1)
+            if self.detector.stopped:
+                self.finish_reason = "stop"
+                # The engine does not see stop strings: end the request there (counted as completed).
+                self.loaded.engine.finish(self.id, "stop")
+                return delta
+        if event.finish_reason is not None and self.finish_reason is None:
+            self.finish_reason = event.finish_reason
+            self.error = event.error
+            delta += self.detector.flush()
+        return delta
+
+    def usage(self) -> Usage:
+        prompt = len(self.request.prompt_token_ids)
+        completion = self.detector.num_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def close(self) -> None:
+        """Idempotent: abort the engine request unless it ended, and release the drain count."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish_reason is None:
+            self.loaded.engine.abort(self.id)
+            logger.info("completion cancelled: client went away", extra={"completion_id": self.id})
+        self.ctx.request_ended()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that stop the moment the client disconnects (not only at the next write),
+    so that a request still queued is aborted before it ever takes KV."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await send(
+                            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+                        )
+                        async for chunk in self.body_iterator:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:
+                        pass  # the client went away mid-write
+                    group.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await _wait_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(watch)
+        finally:
+            self._on_close()
+
+
+async def _close_events(events: AsyncIterator[TokenEvent]) -> None:
+    # After a stop string the engine's stream still holds a cancellation event nobody will read.
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def create_serving_app(ctx: ServingContext) -> FastAPI:
+    app = FastAPI(title="batchpilot runtime", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """Liveness: fails only when the engine loop died after the model loaded."""
+        loaded = ctx.loaded
+        if loaded is not None and not ctx.draining and not loaded.engine.is_alive():
+            return JSONResponse({"status": "engine loop died"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        reason = ctx.not_ready_reason()
+        if reason is not None:
+            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        loaded = ctx.loaded
+        if loaded is not None:
+            load = loaded.engine.load()
+            ctx.metrics.set_load(load.queue_depth, load.running, load.kv_usage_ratio)
+        return Response(ctx.metrics.exposition(), media_type=EXPOSITION_CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        max_model_len = ctx.loaded.max_model_len if ctx.loaded is not None else 0
+        return ModelList(data=[ModelCard(id=ctx.model_name, created=ctx.created_unix_s, max_model_len=max_model_len)])
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
+            }
+        },
+    )
+    async def completions(request: Request) -> Response:
+        loaded = ctx.loaded
+        if ctx.draining:
+            raise ApiError(
+                503,
+                "the server is draining; retry on another replica",
+                kind="service_unavailable",
+                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+            )
+        if loaded is None:
+            raise ApiError(
+                503,
+                "the model is still loading",
+                kind="service_unavailable",
+                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+            )
+        body = parse_completion_request(await read_body(request))
+        if ctx.draining:  # the drain may have begun while the body was arriving
+            raise ApiError(
+                503,
+                "the server is draining; retry on another replica",
+                kind="service_unavailable",
+                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+            )
+        generation = _generation_request(ctx, loaded, body, request.headers.get(LANE_HEADER))
+        try:
+            events = loaded.engine.submit(generation)
+        except QueueFullError as error:
+            ctx.metrics.on_rejected()
+            retry_after_s = max(1, math.ceil(error.retry_after_s))
+            raise ApiError(
+                429,
+                f"the waiting queue is full; retry in {retry_after_s} s",
+                kind="rate_limit_exceeded",
+                headers={"Retry-After": str(retry_after_s)},
+            ) from None
+        except RequestRejected as error:
+            ctx.metrics.on_rejected()
+            raise ApiError(400, str(error), param=_param_of(str(error))) from None
+        except EngineStoppedError as error:
+            ctx.metrics.on_rejected()
+            raise ApiError(
+                503,
+                f"the engine accepts no new request: {error}",
+                kind="service_unavailable",
+                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+            ) from None
+        ctx.request_started()
+        completion = _Completion(ctx, loaded, generation, body.stop_strings())
+        logger.info(
+            "completion accepted",
+            extra={
+                "completion_id": completion.id,
+                "lane": generation.lane,
+                "prompt_tokens": len(generation.prompt_token_ids),
+                "max_tokens": generation.max_tokens,
+                "stream": body.stream,
+            },
+        )
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return SSEResponse(_stream(ctx, completion, events, include_usage), completion.close)
+        try:
+            return await _collect_unless_disconnected(ctx, completion, events, request.receive)
+        finally:
+            completion.close()
+
+    app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
+    return app
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine refusal names (its messages start with the engine-side field)."""
+    head = message.split(":", 1)[0].split(" ", 1)[0].strip()
+    head = {"prompt_token_ids": "prompt"}.get(head, head)
+    return head if head.isidentifier() else None
+
+
+def _generation_request(
+    ctx: ServingContext, loaded: LoadedModel, body: CompletionRequest, lane_header: str | None
+) -> GenerationRequest:
+    if body.model is not None and body.model != ctx.model_name:
+        raise ApiError(
+            404,
+            f"model: this server serves '{ctx.model_name}', not '{body.model}'",
+            param="model",
+            kind="not_found_error",
+        )
+    lane = body.lane or lane_header or "default"
+    if lane not in ctx.lanes:
+        raise ApiError(
+            400, f"lane: unknown lane '{lane}'; this server has {', '.join(sorted(ctx.lanes))}", param="lane"
+        )
+    tokenizer = loaded.tokenizer
+    if isinstance(body.prompt, str):
+        prompt_ids = tokenizer.encode(body.prompt)
+        if not body.prompt or not prompt_ids:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+    else:
+        prompt_ids = list(body.prompt)
+        too_large = next((t for t in prompt_ids if t >= loaded.vocab_size), None)
+        if too_large is not None:
+            raise ApiError(
+                400,
+                f"prompt: token id {too_large} is outside the vocabulary (size {loaded.vocab_size})",
+                param="prompt",
+            )
+    if len(prompt_ids) >= loaded.max_model_len:
+        raise ApiError(
+            400,
+            f"prompt: {len(prompt_ids)} tokens leave no room in the model's context of {loaded.max_model_len} tokens",
+            param="prompt",
+        )
+    if len(prompt_ids) + body.max_tokens > loaded.max_model_len:
+        raise ApiError(
+            400,
+            f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
+            f"the model's context of {loaded.max_model_len} tokens",
+            param="max_tokens",
+        )
+    eos = tokenizer.eos_token_id
+    return GenerationRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt_ids,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop_token_ids=() if body.ignore_eos or eos is None else (eos,),
+        lane=lane,
+    )
+
+
+def _chunk(ctx: ServingContext, completion: _Completion, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": completion.id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+async def _stream(
+    ctx: ServingContext, completion: _Completion, events: AsyncIterator[TokenEvent], include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE body: one chunk per generated token (so that clients can time the first token, even when
+    its text is held back), a final chunk with the finish reason, optional usage, then ``[DONE]``."""
+    async for event in events:
+        had_token = event.token_id is not None
+        delta = completion.on_event(event)
+        if completion.finish_reason is not None:
+            await _close_events(events)
+            break
+        if had_token:
+            yield _sse(_chunk(ctx, completion, delta, None))
+    else:
+        delta = ""
+    if completion.finish_reason is None:
+        # The engine's stream ended without a terminal event: say so rather than pretend it finished.
+        completion.finish_reason = "error"
+        completion.error = "the engine ended the stream without finishing the request"
+    if completion.finish_reason == "error":
+        if delta:
+            yield _sse(_chunk(ctx, completion, delta, None))
+        detail = ErrorDetail(message=completion.error or "generation failed", type="server_error")
+        yield _sse({"error": detail.model_dump()})
+    else:
+        yield _sse(_chunk(ctx, completion, delta, completion.finish_reason))
+    if include_usage:
+        yield _sse(
+            {
+                "id": completion.id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": ctx.model_name,
+                "choices": [],
+                "usage": completion.usage().model_dump(),
+            }
+        )
+    yield _sse("[DONE]")
+
+
+async def _collect_unless_disconnected(
+    ctx: ServingContext, completion: _Completion, events: AsyncIterator[TokenEvent], receive: Receive
+) -> Response:
+    async def collect() -> None:
+        async for event in events:
+            completion.on_event(event)
+            if completion.finish_reason is not None:
+                await _close_events(events)
+                return
+
+    collect_task = asyncio.ensure_future(collect())
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({collect_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collect_task, watch_task):
+            task.cancel()
+        await asyncio.gather(collect_task, watch_task, return_exceptions=True)
+    if collect_task.cancelled() or collect_task.exception() is not None:
+        error = None if collect_task.cancelled() else collect_task.exception()
+        if error is not None:
+            raise error
+        # The client is gone; close() aborts the request. Nobody reads this answer.
+        return Response(status_code=499)
+    if completion.finish_reason is None or completion.finish_reason == "error":
+        message = completion.error or "the engine ended the stream without finishing the request"
+        raise ApiError(500, message, kind="server_error")
+    response = CompletionResponse(
+        id=completion.id,
+        created=int(time.time()),
+        model=ctx.model_name,
+        choices=[CompletionChoice(text=completion.detector.text, finish_reason=completion.finish_reason)],
+        usage=completion.usage(),
+    )
+    return JSONResponse(response.model_dump())

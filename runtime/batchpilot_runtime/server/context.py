@@ -1,0 +1,77 @@
+"""What the serving and admin apps share: the engine, the tokenizer, the metrics, and the
+process's lifecycle flags. One object per runtime; only the event loop's thread touches it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from batchpilot_runtime.admin_api import WindowState
+from batchpilot_runtime.server.metrics import MetricsExporter
+
+if TYPE_CHECKING:
+    from batchpilot_runtime.engine import AsyncEngine
+
+DEFAULT_LANE = "default"
+
+
+class TextCodec(Protocol):
+    """The part of a tokenizer the HTTP layer needs."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass
+class LoadedModel:
+    engine: AsyncEngine
+    tokenizer: TextCodec
+    max_model_len: int  # prompt + output tokens of one request
+    vocab_size: int  # the model's: token ids in prompts must be below it
+
+
+@dataclass
+class ServingContext:
+    model_name: str
+    metrics: MetricsExporter
+    admin_token: str
+    loaded: LoadedModel | None = None  # None while the model loads
+    draining: bool = False
+    inflight_requests: int = 0  # accepted completions whose response has not ended
+    no_inflight: asyncio.Event = field(default_factory=asyncio.Event)
+    lanes: frozenset[str] = frozenset({DEFAULT_LANE})
+    created_unix_s: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.no_inflight.set()
+
+    def request_started(self) -> None:
+        self.inflight_requests += 1
+        self.no_inflight.clear()
+
+    def request_ended(self) -> None:
+        self.inflight_requests -= 1
+        if self.inflight_requests == 0:
+            self.no_inflight.set()
+
+    def window_changed(self, state: WindowState) -> None:
+        self.lanes = frozenset({DEFAULT_LANE, *(lane.name for lane in state.lanes)})
+        self.metrics.on_window(state)
+
+    def not_ready_reason(self) -> str | None:
+        if self.draining:
+            return "draining"
+        if self.loaded is None:
+            return "model loading"
+        if not self.loaded.engine.is_alive():
+            return "engine loop not running"
+        return None

@@ -1,0 +1,287 @@
+"""One runtime process: the engine, the serving port and the admin port on one event loop.
+
+Lifecycle: bind both ports -> serve health (not ready) while the model loads -> ready ->
+on SIGTERM/SIGINT (or ``request_drain``) drain: readiness false, new completions 503,
+accepted ones finish, the engine stops, both servers close -> exit code 0.
+
+Another process finds a runtime through its ready file (``--ready-file``): a JSON object
+written atomically once both ports answer and the model is loaded (see ``RuntimeInfo``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import cast
+
+import uvicorn
+
+from batchpilot_runtime.server.admin import create_admin_app
+from batchpilot_runtime.server.app import create_serving_app
+from batchpilot_runtime.server.config import ServeConfig
+from batchpilot_runtime.server.context import LoadedModel, ServingContext, TextCodec
+from batchpilot_runtime.server.metrics import MetricsExporter
+from batchpilot_runtime.server.ready import RuntimeInfo, write_ready_file
+
+logger = logging.getLogger("batchpilot.runtime")
+
+GRACEFUL_CLOSE_S = 5
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to the runtime, which drains both ports together."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before serving so that port 0 resolves to a known free port (no probe-then-bind race)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def load_admin_token(path: Path | None) -> tuple[str, Path]:
+    """The admin bearer token and the file it is in.
+
+    Without a file, a random token is written to a new private directory (mode 0700, file 0600)
+    and only its path is logged: the admin port is never open without a token.
+    """
+    if path is not None:
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"--admin-token-file {path}: the file is empty")
+        return token, path
+    directory = Path(tempfile.mkdtemp(prefix="batchpilot-admin-"))
+    token_path = directory / "token"
+    token = secrets.token_urlsafe(32)
+    fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    return token, token_path
+
+
+def _url(host: str, sock: socket.socket) -> str:
+    port = sock.getsockname()[1]
+    shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedModel:
+    """Build the engine (torch; slow) and wrap it for the async server. Runs in a worker thread."""
+    from batchpilot_runtime.engine import AsyncEngine, Engine
+
+    engine = Engine.build(
+        model_name=config.model_name,
+        window=config.window,
+        preset=config.preset,
+        checkpoint=config.checkpoint,
+        kv_cache_tokens=config.kv_cache_tokens,
+        lanes={lane.name: lane for lane in config.lanes} or None,
+        batching=config.batching,
+        max_queue=config.max_queue,
+        max_prefill_tokens_per_step=config.max_prefill_tokens,
+        max_model_len=config.max_model_len,
+        seed=config.seed,
+        device=config.device,
+        observer=metrics,
+    )
+    async_engine = AsyncEngine(engine)
+    return LoadedModel(
+        engine=async_engine,
+        tokenizer=cast(TextCodec, engine.tokenizer),
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+    )
+
+
+class Runtime:
+    def __init__(
+        self,
+        config: ServeConfig,
+        build: Callable[[ServeConfig, MetricsExporter], LoadedModel] = build_loaded_model,
+    ) -> None:
+        self.config = config
+        self._build = build
+        token, self.admin_token_file = load_admin_token(config.admin_token_file)
+        self.metrics = MetricsExporter(config.model_name, ["default", *(lane.name for lane in config.lanes)])
+        self.ctx = ServingContext(model_name=config.model_name, metrics=self.metrics, admin_token=token)
+        self.info: RuntimeInfo | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_requested: asyncio.Event | None = None
+        self._force: asyncio.Event | None = None
+
+    def request_drain(self) -> None:
+        """Start draining; safe from any thread and from a signal handler. A second call forces exit."""
+        loop, drain, force = self._loop, self._drain_requested, self._force
+        if loop is None or drain is None or force is None:
+            return
+        loop.call_soon_threadsafe(force.set if drain.is_set() else drain.set)
+
+    async def serve(self, on_ready: Callable[[RuntimeInfo], None] | None = None, handle_signals: bool = True) -> int:
+        """Run until drained; returns the process exit code."""
+        config = self.config
+        self._loop = asyncio.get_running_loop()
+        self._drain_requested = asyncio.Event()
+        self._force = force = asyncio.Event()
+        serve_sock = bind_socket(config.host, config.port)
+        admin_sock = bind_socket(config.host, config.admin_port)
+        servers = [
+            _Server(
+                uvicorn.Config(
+                    create_serving_app(self.ctx),
+                    log_config=None,
+                    access_log=False,
+                    lifespan="off",
+                    ws="none",
+                    timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+                )
+            ),
+            _Server(
+                uvicorn.Config(
+                    create_admin_app(self.ctx),
+                    log_config=None,
+                    access_log=False,
+                    lifespan="off",
+                    ws="none",
+                    timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+                )
+            ),
+        ]
+        tasks = [
+            asyncio.ensure_future(s.serve(sockets=[sock]))
+            for s, sock in zip(servers, (serve_sock, admin_sock), strict=True)
+        ]
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self.request_drain)
+        exit_code = 0
+        try:
+            # 1. Load the model while /healthz answers and /readyz says "model loading".
+            logger.info(
+                "loading model",
+                extra={
+                    "model": config.model_name,
+                    "preset": config.preset,
+                    "checkpoint": str(config.checkpoint) if config.checkpoint else None,
+                },
+            )
+            load_task = asyncio.ensure_future(asyncio.to_thread(self._build, config, self.metrics))
+            stop_wait = asyncio.ensure_future(self._drain_requested.wait())
+            await asyncio.wait({load_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            if not load_task.done():
+                logger.info("stop requested while loading; waiting for the load to finish")
+            loaded = await load_task
+            await loaded.engine.start()
+            self.ctx.loaded = loaded
+            self.ctx.window_changed(loaded.engine.window_state())
+            # 2. Ready: both servers listening, engine running.
+            while not all(s.started for s in servers):
+                if any(t.done() for t in tasks):
+                    raise RuntimeError("an HTTP server stopped during start-up")
+                await asyncio.sleep(0.01)
+            self.info = RuntimeInfo(
+                pid=os.getpid(),
+                model=config.model_name,
+                serve_url=_url(config.host, serve_sock),
+                admin_url=_url(config.host, admin_sock),
+                admin_token_file=str(self.admin_token_file),
+            )
+            if config.ready_file is not None:
+                write_ready_file(config.ready_file, self.info)
+            logger.info(
+                "ready",
+                extra={
+                    "serve_url": self.info.serve_url,
+                    "admin_url": self.info.admin_url,
+                    "admin_token_file": self.info.admin_token_file,
+                    "window": config.window.describe(),
+                },
+            )
+            if on_ready is not None:
+                on_ready(self.info)
+            # 3. Serve until asked to stop, then drain.
+            await self._drain_requested.wait()
+            await self._drain(loaded, force)
+        except Exception:
+            logger.exception("runtime failed")
+            exit_code = 1
+            if self.ctx.loaded is not None:
+                await self.ctx.loaded.engine.shutdown(drain=False)
+        finally:
+            self.ctx.draining = True
+            for server in servers:
+                server.should_exit = True
+                server.force_exit = force.is_set() or exit_code != 0
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    self._loop.remove_signal_handler(sig)
+            logger.info("stopped", extra={"exit_code": exit_code})
+        return exit_code
+
+    async def _drain(self, loaded: LoadedModel, force: asyncio.Event) -> None:
+        self.ctx.draining = True
+        logger.info("draining", extra={"inflight_requests": self.ctx.inflight_requests})
+        waits = {asyncio.ensure_future(self.ctx.no_inflight.wait()), asyncio.ensure_future(force.wait())}
+        await asyncio.wait(waits, timeout=self.config.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        forced = force.is_set()
+        if self.ctx.inflight_requests > 0:
+            logger.warning("drain cut short", extra={"inflight_requests": self.ctx.inflight_requests, "forced": forced})
+        await loaded.engine.shutdown(drain=not forced)
+        logger.info("drained")
+
+
+class RuntimeThread:
+    """A runtime on its own event loop in a background thread (tests, the demo): ``start()`` returns
+    once it is ready; ``stop()`` drains it like SIGTERM would."""
+
+    def __init__(
+        self, config: ServeConfig, build: Callable[[ServeConfig, MetricsExporter], LoadedModel] = build_loaded_model
+    ) -> None:
+        self.runtime = Runtime(config, build)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"runtime-{config.model_name}", daemon=True)
+        self.exit_code: int | None = None
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.exit_code = asyncio.run(
+                self.runtime.serve(on_ready=lambda _info: self._ready.set(), handle_signals=False)
+            )
+        except BaseException as error:  # surfaced by start()
+            self._error = error
+        finally:
+            self._ready.set()
+
+    def start(self, timeout_s: float = 120.0) -> RuntimeInfo:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"runtime not ready within {timeout_s} s")
+        if self.runtime.info is None:
+            raise RuntimeError(f"runtime failed to start (exit code {self.exit_code})") from self._error
+        return self.runtime.info
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        self.runtime.request_drain()
+        self._thread.join(timeout_s)
+        return self.exit_code
