@@ -89,15 +89,17 @@ class TraceScaling:
 
 
 def _parse_timestamp(text: str) -> float:
+    """Seconds from a plain number or an ISO timestamp (the Azure trace's has seven
+    fractional digits, one more than ``datetime`` takes)."""
     text = text.strip()
-    if "." in text:
-        # Seven fractional digits in the Azure trace; datetime takes at most six.
-        head, frac = text.split(".", 1)
-        return datetime.fromisoformat(head).timestamp() + float("0." + frac)
     try:
         return float(text)
     except ValueError:
-        return datetime.fromisoformat(text).timestamp()
+        pass
+    if "." in text:
+        head, frac = text.split(".", 1)
+        return datetime.fromisoformat(head).timestamp() + float("0." + frac)
+    return datetime.fromisoformat(text).timestamp()
 
 
 def read_trace(path: Path | str = DEFAULT_TRACE_PATH) -> list[TraceRequest]:
