@@ -14,7 +14,12 @@ Handler = Callable[[argparse.Namespace], int]
 
 # Modules that each define ``register(subparsers)`` adding their own subcommand;
 # they import torch and the web stack inside the handler, so --help stays fast.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "batchpilot_runtime.serve_cli",
+    "batchpilot_runtime.loadgen_cli",
+    "batchpilot_runtime.generate_cli",
+    "batchpilot_runtime.calibrate_cli",
+)
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:

@@ -1,0 +1,480 @@
+"""The tuning policy: (spec, window in force, observations, state, now) -> decision.
+
+How it works
+------------
+
+Every ``intervalSeconds`` the policy reads the P99 of the SLO's latency metric and
+compares it with ``slo.p99Ms``. It first refuses to act on what it cannot trust: NaN
+quantiles (no traffic is *unknown*, not fast), fewer than ``min_samples`` (20) latency
+observations in the rate window, or a decision inside ``cooldownSeconds`` of the last
+change all give *hold*. A P99 that lies in the top finite histogram bucket (or beyond)
+is *saturated*: its value is only a lower bound, so it counts as "far over" the SLO.
+
+Memory comes first. When sequences are being preempted (KV cache exhausted mid-decode:
+recomputation wastes the GPU and stalls the victims) the policy lowers the **cap**
+below the running batch and remembers it as a ceiling that lifts one step at a time
+only after 20 calm intervals; while KV usage is above 90 % the cap is never raised.
+Otherwise the P99-to-SLO ratio falls in one of three zones: **over** (P99 > SLO),
+**headroom** (P99 < 60 % of the SLO) and the **dead band** in between, where nothing
+but a badly wrong wait (off by 3x) is touched. That band, plus a two-interval confirmation
+before any step up of target and wait, is the hysteresis that keeps noise around the
+SLO from making it flap.
+
+The cap is a throughput lever first. A backlog the running batch cannot absorb (the
+batch at >= 70 % of the cap and a queue of a quarter of the cap or more) raises the cap
+by one step whatever P99 says, since a smaller batch would only grow the queue. Within
+the SLO (dead band included) the cap is kept at four times the running batch, so that
+a burst finds free slots (a spare slot costs nothing until it is used), up to the
+ceiling set by the friendliness class (``low`` 32, ``medium`` 128, ``high`` the bounds;
+in ``auto`` the class measured from step time per batch size). The cap goes *down* for
+latency only when P99 is over, the queue is short, and a decode step at the current
+batch takes more than a fifth of the SLO: then the batch itself is what is slow. So,
+all else equal, a worse P99 never yields a larger cap than a better one (monotone).
+
+Target and wait trade latency for fuller batches. Over the SLO both step down at once,
+by a fraction of ``maxStepFraction`` that grows with the overshoot (all of it when
+saturated). With confirmed headroom the target rises as far as the load reliably
+fills it (half the running batch plus a third of the arrivals expected within the wait,
+so that admissions fire on the target rather than on the timer), never past the
+measured knee in ``auto`` mode, where throughput stops growing with the batch. The
+wait follows the arrival rate: 1.5x the time arrivals take to fill the gap between
+the running batch and the target, so short under heavy load and longer (up to the
+bound) under light load, never above a tenth of the SLO (a wait is latency spent for
+sure), and left alone when the running batch already exceeds the target (then every
+arrival is admitted at once and the wait never fires). The tail-mark ratio stays at
+2.0 unless more than a fifth of admissions get marked (marking too early marks
+everyone): then it rises by 0.25, and drifts back when marking becomes rare; it only
+moves together with another field, never as a decision of its own.
+
+Every field moves at most ``maxStepFraction`` of its value per decision (or one unit
+--- one sequence, 5 ms, 0.1 --- when that is larger, so that a field at 0 or 1 can
+move at all), every field stays within ``tuning.bounds``, and target <= cap always.
+A window in force that lies outside the bounds (the bounds were edited) is clamped
+into them at once: bounds win over the step limit and the cooldown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from batchpilot_operator.friendliness import CLASS_CAP_CEILING, FriendlinessEstimate, measure, merge_curve
+from batchpilot_operator.observations import Observations, known
+from batchpilot_operator.profile import BatchProfileSpec, Friendliness, WindowBounds
+from batchpilot_operator.profile import Decision as StatusDecision
+from batchpilot_runtime.window import Window
+
+Direction = Literal["up", "down", "hold", "reset"]
+
+WAIT_MIN_STEP_MS = 5
+RATIO_MIN_STEP = 0.1
+SIZE_MIN_STEP = 1
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Constants of the policy (not part of the resource; tests and the simulator may vary them)."""
+
+    min_samples: int = 20
+    headroom_ratio: float = 0.6  # P99 below this share of the SLO is headroom
+    up_confirm_intervals: int = 2  # headroom must last this many intervals before going up
+    kv_soft_ratio: float = 0.9  # KV usage above this blocks every cap raise
+    preemption_share_high: float = 0.01  # preemptions per arrival
+    preemptions_per_s_high: float = 0.5
+    kv_ceiling_calm_intervals: int = 20  # memory-calm intervals before the memory ceiling lifts
+    wait_fill_margin: float = 1.5
+    wait_slo_fraction: float = 0.1
+    cap_reach_ratio: float = 0.7  # the running batch "reaches" the cap above this share of it
+    cap_spare_factor: float = 4.0  # within the SLO the cap keeps this multiple of the running batch
+    queue_bound_share: float = 0.25  # a queue this share of the cap (with the cap reached) is a backlog
+    default_tail_ratio: float = 2.0
+    tail_share_high: float = 0.2
+    tail_share_low: float = 0.05
+    step_slo_share: float = 0.2  # a decode step longer than this share of the SLO makes the cap a latency cause
+
+
+DEFAULT_CONFIG = PolicyConfig()
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between intervals (kept in the operator's memo)."""
+
+    last_change_s: float | None = None
+    headroom_streak: int = 0
+    calm_streak: int = 0
+    kv_cap_ceiling: int | None = None
+    step_curve: tuple[tuple[int, float], ...] = ()
+    decisions: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy outcome: the window to put in force (the same one on hold), and why."""
+
+    window: Window
+    direction: Direction
+    reason: str
+    state: PolicyState
+    friendliness: FriendlinessEstimate | None = field(default=None)
+
+    @property
+    def changed(self) -> bool:
+        return self.direction in ("up", "down", "reset")
+
+    def to_status(self, at: str) -> StatusDecision:
+        """The status block's ``lastDecision`` (``at``: RFC 3339 time of the decision)."""
+        return StatusDecision(time=at, direction=self.direction, reason=self.reason)
+
+
+def allowed_step(old: float, fraction: float, min_step: float) -> float:
+    """Largest change of a field in one decision: ``fraction`` of it, or ``min_step``."""
+    return max(abs(old) * fraction, min_step)
+
+
+def _limit_int(old: int, desired: float, fraction: float, lo: int, hi: int) -> int:
+    step = allowed_step(old, fraction, SIZE_MIN_STEP)
+    if desired > old:
+        value = min(math.floor(desired), math.floor(old + step))
+    else:
+        value = max(math.ceil(desired), math.ceil(old - step))
+    return max(lo, min(hi, value))
+
+
+def _limit_wait(old: int, desired: float, fraction: float, lo: int, hi: int) -> int:
+    step = allowed_step(old, fraction, WAIT_MIN_STEP_MS)
+    if desired > old:
+        value = min(math.floor(desired), math.floor(old + step))
+    else:
+        value = max(math.ceil(desired), math.ceil(old - step))
+    return max(lo, min(hi, value))
+
+
+def _limit_ratio(old: float, desired: float, fraction: float, lo: float, hi: float) -> float:
+    step = allowed_step(old, fraction, RATIO_MIN_STEP)
+    value = min(desired, old + step) if desired > old else max(desired, old - step)
+    # Rounded for a readable status, then clamped so that rounding cannot step outside the bounds.
+    return max(lo, min(hi, round(value, 3)))
+
+
+def _clamp_into_bounds(window: Window, bounds: WindowBounds) -> Window:
+    cap = bounds.hard_cap.clamp(window.hard_cap)
+    cap = max(cap, bounds.target_batch_size.min)
+    target = min(bounds.target_batch_size.clamp(window.target_batch_size), cap)
+    return window.model_copy(
+        update={
+            "target_batch_size": target,
+            "hard_cap": cap,
+            "max_wait_ms": bounds.max_wait_ms.clamp(window.max_wait_ms),
+            "tail_mark_ratio": bounds.tail_mark_ratio.clamp(window.tail_mark_ratio),
+        }
+    )
+
+
+def cap_ceiling(spec: BatchProfileSpec, estimate: FriendlinessEstimate | None, state: PolicyState) -> int:
+    """Highest cap the policy may choose now: bounds, friendliness class, memory ceiling."""
+    ceiling = spec.tuning.bounds.hard_cap.max
+    friendliness = spec.batch_friendliness
+    if friendliness == Friendliness.AUTO:
+        measured = estimate.measured_class if estimate is not None else None
+        friendliness = measured or Friendliness.MEDIUM
+    ceiling = min(ceiling, CLASS_CAP_CEILING[friendliness])
+    if state.kv_cap_ceiling is not None:
+        ceiling = min(ceiling, state.kv_cap_ceiling)
+    return max(ceiling, spec.tuning.bounds.hard_cap.min, spec.tuning.bounds.target_batch_size.min)
+
+
+def desired_wait_ms(spec: BatchProfileSpec, target: int, obs: Observations, config: PolicyConfig) -> float:
+    """The wait that lets arrivals fill the gap between the running batch and the target.
+
+    Unknown or zero arrival rate: the longest the bounds and the SLO budget allow.
+    """
+    bound = spec.tuning.bounds.max_wait_ms
+    budget_ms = min(float(bound.max), config.wait_slo_fraction * spec.slo.p99_ms)
+    running = obs.mean_batch_size if known(obs.mean_batch_size) else 0.0
+    gap = max(1.0, target - running)
+    rate = obs.arrival_rate_per_s
+    if not known(rate) or rate <= 0:
+        return max(float(bound.min), budget_ms)
+    fill_ms = config.wait_fill_margin * gap / rate * 1000.0
+    return max(float(bound.min), min(budget_ms, fill_ms))
+
+
+def _memory_pressure(obs: Observations, config: PolicyConfig) -> str | None:
+    if known(obs.preemptions_per_s) and obs.preemptions_per_s > 0:
+        per_arrival = (
+            obs.preemptions_per_s / obs.arrival_rate_per_s
+            if known(obs.arrival_rate_per_s) and obs.arrival_rate_per_s > 0
+            else math.inf
+        )
+        if obs.preemptions_per_s >= config.preemptions_per_s_high or per_arrival >= config.preemption_share_high:
+            return f"{obs.preemptions_per_s:.2g} preemptions/s"
+    return None
+
+
+def step_time_s(obs: Observations) -> float:
+    """Mean decode step time at the running batch's size (the nearest measured bucket at or above it)."""
+    if not obs.step_s_by_batch:
+        return math.nan
+    running = obs.mean_batch_size if known(obs.mean_batch_size) else 1.0
+    at_or_above = [b for b in obs.step_s_by_batch if b >= running]
+    bucket = min(at_or_above) if at_or_above else max(obs.step_s_by_batch)
+    return obs.step_s_by_batch[bucket]
+
+
+def _tail_ratio(
+    window: Window, obs: Observations, fraction: float, bounds: WindowBounds, config: PolicyConfig
+) -> float:
+    """Raise the ratio when marking catches too many (marking too early marks everyone); drift back
+    towards the default when marking is rare again."""
+    current = window.tail_mark_ratio
+    share = obs.tail_marked_share
+    if not known(share):
+        return current
+    if share > config.tail_share_high:
+        desired = current + 0.25
+    elif share < config.tail_share_low and current > config.default_tail_ratio:
+        desired = max(config.default_tail_ratio, current - 0.25)
+    else:
+        return current
+    return _limit_ratio(current, desired, fraction, bounds.tail_mark_ratio.min, bounds.tail_mark_ratio.max)
+
+
+def decide(
+    spec: BatchProfileSpec,
+    window: Window,
+    obs: Observations,
+    state: PolicyState,
+    now_s: float,
+    config: PolicyConfig = DEFAULT_CONFIG,
+) -> Decision:
+    """One tuning decision. Pure: same inputs, same decision."""
+    bounds = spec.tuning.bounds
+    fraction = spec.tuning.max_step_fraction
+    slo_s = spec.slo.p99_ms / 1000.0
+
+    # 1. Fold this interval's step times into the friendliness curve (whatever else happens).
+    curve = merge_curve(state.step_curve, obs.step_s_by_batch)
+    estimate = measure(dict(curve)) if curve else None
+    state = replace(state, step_curve=curve, decisions=state.decisions + 1)
+
+    def hold(reason: str, new_state: PolicyState) -> Decision:
+        return Decision(window, "hold", reason, new_state, estimate)
+
+    # 2. Bounds win over everything, including the cooldown.
+    if bounds.contains(window) or window.target_batch_size > window.hard_cap:
+        clamped = _clamp_into_bounds(window, bounds).with_generation(window.generation + 1)
+        return Decision(
+            clamped,
+            "reset",
+            f"The window in force ({window.describe()}) lay outside tuning.bounds; clamped into them.",
+            replace(state, last_change_s=now_s, headroom_streak=0),
+            estimate,
+        )
+
+    # 3. Refuse to act on what cannot be trusted.
+    saturated = obs.p99_saturated
+    if not saturated and not known(obs.p99_s):
+        return hold(
+            "No latency data this interval (no traffic or no series); holding.", replace(state, headroom_streak=0)
+        )
+    if not known(obs.samples) or obs.samples < config.min_samples:
+        samples = "an unknown number of" if not known(obs.samples) else f"{obs.samples:.0f}"
+        return hold(
+            f"Too sparse: P99 rests on {samples} requests (< {config.min_samples}); holding.",
+            replace(state, headroom_streak=0),
+        )
+    ratio = math.inf if saturated else obs.p99_s / slo_s
+    p99_text = f"P99 beyond {obs.p99_s * 1000:.0f} ms (top bucket)" if saturated else f"P99 {obs.p99_s * 1000:.0f} ms"
+    slo_text = f"SLO {spec.slo.p99_ms:.0f} ms"
+
+    pressure = _memory_pressure(obs, config)
+    calm = pressure is None and not (known(obs.kv_usage_ratio) and obs.kv_usage_ratio >= config.kv_soft_ratio)
+    calm_streak = state.calm_streak + 1 if calm else 0
+    kv_ceiling = state.kv_cap_ceiling
+    if kv_ceiling is not None and calm_streak >= config.kv_ceiling_calm_intervals:
+        # Memory has been calm for a while: let the cap climb one more step.
+        kv_ceiling = math.floor(kv_ceiling + allowed_step(kv_ceiling, fraction, SIZE_MIN_STEP))
+        calm_streak = 0
+        if kv_ceiling >= bounds.hard_cap.max:
+            kv_ceiling = None
+    over = ratio > 1.0
+    headroom = ratio < config.headroom_ratio
+    headroom_streak = state.headroom_streak + 1 if headroom and pressure is None else 0
+    state = replace(state, calm_streak=calm_streak, kv_cap_ceiling=kv_ceiling, headroom_streak=headroom_streak)
+
+    if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
+        left = spec.tuning.cooldown_seconds - (now_s - state.last_change_s)
+        return hold(f"{p99_text} vs {slo_text}, but in cooldown for {left:.0f} s more; holding.", state)
+
+    target, cap, wait = window.target_batch_size, window.hard_cap, window.max_wait_ms
+    cap_floor = max(bounds.hard_cap.min, bounds.target_batch_size.min)
+    running = obs.mean_batch_size if known(obs.mean_batch_size) else math.nan
+    queue = obs.queue_depth if known(obs.queue_depth) else 0.0
+
+    # 4. Memory pressure: lower the cap and remember it as a ceiling.
+    if pressure is not None:
+        base = min(cap, math.ceil(running)) if known(running) and running >= 1 else cap
+        new_cap = _limit_int(cap, base * (1 - fraction / 2), fraction, cap_floor, bounds.hard_cap.max)
+        new_target = max(bounds.target_batch_size.min, min(target, new_cap))
+        state = replace(state, kv_cap_ceiling=new_cap, calm_streak=0, headroom_streak=0)
+        return _change(
+            window,
+            new_target,
+            new_cap,
+            wait,
+            window.tail_mark_ratio,
+            "down",
+            f"{pressure}: lowering the cap to {new_cap} (and not raising it again until memory is calm).",
+            state,
+            now_s,
+            estimate,
+        )
+
+    # 5. The cap: throughput when the backlog needs it, step time when the batch itself is slow.
+    ceiling = cap_ceiling(spec, estimate, state)
+    soft_full = known(obs.kv_usage_ratio) and obs.kv_usage_ratio >= config.kv_soft_ratio
+    cap_reached = known(running) and running >= config.cap_reach_ratio * cap
+    queue_bound = cap_reached and queue >= max(2.0, config.queue_bound_share * cap)
+    confirmed_headroom = headroom and headroom_streak >= config.up_confirm_intervals
+    severity = 1.0 if saturated else min(1.0, max(0.3, ratio - 1.0))
+    cut = fraction * severity
+    new_cap = cap
+    cap_why = ""
+    if queue_bound and not soft_full and cap < ceiling:
+        # A backlog that the running batch cannot absorb is a throughput problem, whatever P99 says.
+        new_cap = _limit_int(cap, cap * (1 + fraction), fraction, cap_floor, min(ceiling, bounds.hard_cap.max))
+        cap_why = f"raising the cap to {new_cap} ({queue:.0f} waiting with the batch at its cap)"
+    elif over and cap_reached and not queue_bound and step_time_s(obs) > config.step_slo_share * slo_s:
+        new_cap = _limit_int(cap, cap * (1 - cut), fraction, cap_floor, bounds.hard_cap.max)
+        cap_why = f"lowering the cap to {new_cap} (steps of {step_time_s(obs) * 1000:.0f} ms at this batch are too long for the SLO)"
+    elif not over and known(running) and running * config.cap_spare_factor > cap and not soft_full and cap < ceiling:
+        # Within the SLO the cap keeps room for a burst of a few times the running batch: a spare
+        # slot costs nothing until it is used, and a missing one turns the next burst into a queue.
+        new_cap = _limit_int(
+            cap, running * config.cap_spare_factor, fraction, cap_floor, min(ceiling, bounds.hard_cap.max)
+        )
+        cap_why = f"raising the cap to {new_cap} (room for a burst over the running batch of {running:.0f})"
+
+    # 6. Target and wait: down at once when over, up on confirmed headroom as far as arrivals fill it.
+    new_target, new_wait = target, wait
+    target_why = ""
+    # With the running batch at or above the target every arrival is admitted at once: the wait never fires.
+    target_fills_itself = known(running) and running >= target
+    if over:
+        new_wait = _limit_wait(
+            wait,
+            min(desired_wait_ms(spec, target, obs, config), wait * (1 - cut)),
+            fraction,
+            bounds.max_wait_ms.min,
+            bounds.max_wait_ms.max,
+        )
+        new_target = _limit_int(
+            target, target * (1 - cut), fraction, bounds.target_batch_size.min, bounds.target_batch_size.max
+        )
+        target_why = "lowering wait and target"
+    elif confirmed_headroom:
+        target_ceiling = min(new_cap, bounds.target_batch_size.max)
+        if spec.batch_friendliness == Friendliness.AUTO and estimate is not None and estimate.knee_batch_size:
+            target_ceiling = min(target_ceiling, max(estimate.knee_batch_size, bounds.target_batch_size.min))
+        desired_target = min(target * (1 + fraction), _fillable_target(obs, wait, config), target_ceiling)
+        if desired_target >= target + 1:
+            new_target = _limit_int(target, desired_target, fraction, bounds.target_batch_size.min, target_ceiling)
+        if not (known(running) and running >= new_target):
+            new_wait = _limit_wait(
+                wait,
+                desired_wait_ms(spec, new_target, obs, config),
+                fraction,
+                bounds.max_wait_ms.min,
+                bounds.max_wait_ms.max,
+            )
+        target_why = "raising target and wait as far as arrivals fill them"
+    else:
+        # Dead band: only a wait far from what the arrival rate needs is moved.
+        want = desired_wait_ms(spec, target, obs, config)
+        if target_fills_itself:
+            want = wait
+        if want < wait / 3 or (want > 3 * wait + WAIT_MIN_STEP_MS and ratio < 0.85):
+            new_wait = _limit_wait(wait, want, fraction, bounds.max_wait_ms.min, bounds.max_wait_ms.max)
+            target_why = f"moving the wait towards {want:.0f} ms, the time arrivals take to fill the target"
+    new_target = min(new_target, new_cap)
+    # The tail ratio only rides along with another change: on its own it would be a decision
+    # (and a push) for a second-order knob.
+    tail = window.tail_mark_ratio
+    if (new_target, new_cap, new_wait) != (target, cap, wait):
+        tail = _tail_ratio(window, obs, fraction, bounds, config)
+
+    if (new_target, new_cap, new_wait, tail) == (target, cap, wait, window.tail_mark_ratio):
+        if over:
+            return hold(f"{p99_text} over {slo_text}, but the window is already at its limits; holding.", state)
+        if confirmed_headroom:
+            return hold(
+                f"{p99_text} well under {slo_text}, but the load does not fill a larger window; holding.", state
+            )
+        zone = "under" if headroom else "near"
+        return hold(f"{p99_text} {zone} {slo_text} (dead band); holding.", state)
+    if new_cap != cap:
+        direction: Direction = "up" if new_cap > cap else "down"
+    elif new_target != target:
+        direction = "up" if new_target > target else "down"
+    elif new_wait != wait:
+        direction = "up" if new_wait > wait else "down"
+    else:
+        direction = "up" if tail > window.tail_mark_ratio else "down"
+    if over:
+        lead = f"{p99_text} over {slo_text} ({'saturated' if saturated else f'{ratio:.2f}x the SLO'})"
+    elif confirmed_headroom:
+        lead = f"{p99_text} well under {slo_text} for {headroom_streak} intervals"
+    else:
+        lead = f"{p99_text} within {slo_text}"
+    actions = "; ".join(
+        part
+        for part in (target_why if (new_target, new_wait) != (target, wait) else "", cap_why if new_cap != cap else "")
+        if part
+    )
+    if tail != window.tail_mark_ratio:
+        actions = "; ".join(p for p in (actions, f"tail-mark ratio to {tail:g}") if p)
+    if direction == "up":
+        state = replace(state, headroom_streak=0)
+    return _change(
+        window, new_target, new_cap, new_wait, tail, direction, f"{lead}: {actions}.", state, now_s, estimate
+    )
+
+
+def _fillable_target(obs: Observations, wait_ms: int, config: PolicyConfig) -> float:
+    """Largest target the load reliably reaches within the wait: half the mean running batch (the
+    running set dips below its mean half of the time) plus a third of the arrivals expected in the
+    wait (with three times the needed arrivals expected, Poisson arrivals fill the gap before the
+    wait fires at least 95 % of the time)."""
+    running = obs.mean_batch_size if known(obs.mean_batch_size) else 0.0
+    rate = obs.arrival_rate_per_s if known(obs.arrival_rate_per_s) else 0.0
+    return max(1.0, 0.5 * running + rate * wait_ms / 1000.0 / (2 * config.wait_fill_margin))
+
+
+def _change(
+    window: Window,
+    target: int,
+    cap: int,
+    wait: int,
+    tail: float,
+    direction: Direction,
+    reason: str,
+    state: PolicyState,
+    now_s: float,
+    estimate: FriendlinessEstimate | None,
+) -> Decision:
+    target = min(target, cap)
+    fields = (target, cap, wait, tail)
+    if fields == (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.tail_mark_ratio):
+        return Decision(
+            window, "hold", reason.rstrip(".") + ", but the window is already at its limits; holding.", state, estimate
+        )
+    new_window = Window(
+        target_batch_size=target,
+        hard_cap=cap,
+        max_wait_ms=wait,
+        tail_mark_ratio=tail,
+        generation=window.generation + 1,
+    )
+    return Decision(new_window, direction, reason, replace(state, last_change_s=now_s), estimate)

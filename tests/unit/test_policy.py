@@ -1,0 +1,333 @@
+"""The tuning policy: invariants (hypothesis) and the cases it must get right."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from batchpilot_operator.observations import NAN, Observations, histogram_quantile, is_saturated
+from batchpilot_operator.policy import (
+    RATIO_MIN_STEP,
+    SIZE_MIN_STEP,
+    WAIT_MIN_STEP_MS,
+    PolicyState,
+    allowed_step,
+    decide,
+)
+from batchpilot_operator.profile import BatchProfileSpec, parse_spec
+from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
+from batchpilot_runtime.window import Window
+
+
+def make_spec(**overrides: Any) -> BatchProfileSpec:
+    spec: dict[str, Any] = {
+        "model": "m",
+        "selector": {"matchLabels": {"app": "m"}},
+        "batchFriendliness": "high",
+        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
+        "slo": {"p99Ms": 1000},
+        "tuning": {"intervalSeconds": 15, "cooldownSeconds": 30, "maxStepFraction": 0.5},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return parse_spec(spec)
+
+
+def make_obs(p99_s: float = 0.5, **others: Any) -> Observations:
+    base: dict[str, Any] = {
+        "p50_s": p99_s / 3 if math.isfinite(p99_s) else NAN,
+        "p99_s": p99_s,
+        "p999_s": p99_s * 1.2 if math.isfinite(p99_s) else NAN,
+        "samples": 500.0,
+        "queue_depth": 0.0,
+        "arrival_rate_per_s": 20.0,
+        "mean_batch_size": 8.0,
+        "kv_usage_ratio": 0.3,
+        "preemptions_per_s": 0.0,
+        "tail_marked_share": 0.0,
+    }
+    base.update(others)
+    return Observations(**base)
+
+
+WINDOW = Window(target_batch_size=8, hard_cap=16, max_wait_ms=20, tail_mark_ratio=2.0, generation=3)
+
+
+# ---- strategies ------------------------------------------------------------
+
+
+@st.composite
+def spec_and_window(draw: st.DrawFn) -> tuple[BatchProfileSpec, Window]:
+    t_lo = draw(st.integers(1, 16))
+    t_hi = draw(st.integers(t_lo, 256))
+    c_lo = draw(st.integers(1, t_hi))
+    c_hi = draw(st.integers(max(c_lo, t_lo), 512))
+    w_lo = draw(st.integers(0, 50))
+    w_hi = draw(st.integers(w_lo, 1000))
+    r_lo = draw(st.floats(1.1, 3.0))
+    r_hi = draw(st.floats(r_lo, 6.0))
+    cap = draw(st.integers(max(c_lo, t_lo), c_hi))
+    target = draw(st.integers(t_lo, min(t_hi, cap)))
+    wait = draw(st.integers(w_lo, w_hi))
+    ratio = draw(st.floats(r_lo, r_hi))
+    spec = make_spec(
+        batchFriendliness=draw(st.sampled_from(["high", "medium", "low", "auto"])),
+        window={"targetBatchSize": target, "hardCap": cap, "maxWaitMs": wait, "tailMarkRatio": ratio},
+        slo={"p99Ms": draw(st.floats(50, 10_000))},
+        tuning={
+            "intervalSeconds": 15,
+            "cooldownSeconds": draw(st.integers(0, 120)),
+            "maxStepFraction": draw(st.floats(0.05, 1.0)),
+            "bounds": {
+                "targetBatchSize": {"min": t_lo, "max": t_hi},
+                "hardCap": {"min": c_lo, "max": c_hi},
+                "maxWaitMs": {"min": w_lo, "max": w_hi},
+                "tailMarkRatio": {"min": r_lo, "max": r_hi},
+            },
+        },
+    )
+    return spec, Window.from_fields(spec.window, generation=draw(st.integers(0, 100)))
+
+
+finite_or_nan = st.one_of(st.just(NAN), st.floats(0.0, 1e4))
+observations = st.builds(
+    Observations,
+    p50_s=st.one_of(st.just(NAN), st.floats(0.0, 200.0)),
+    p99_s=st.one_of(st.just(NAN), st.floats(0.0, 200.0)),
+    p999_s=st.one_of(st.just(NAN), st.floats(0.0, 200.0)),
+    p99_saturated=st.booleans(),
+    samples=st.one_of(st.just(NAN), st.floats(0, 1e5)),
+    queue_depth=finite_or_nan,
+    arrival_rate_per_s=finite_or_nan,
+    mean_batch_size=st.one_of(st.just(NAN), st.floats(0.0, 600.0)),
+    kv_usage_ratio=st.one_of(st.just(NAN), st.floats(0.0, 1.0)),
+    preemptions_per_s=st.one_of(st.just(NAN), st.floats(0.0, 50.0)),
+    tail_marked_share=st.one_of(st.just(NAN), st.floats(0.0, 1.0)),
+    step_s_by_batch=st.dictionaries(
+        st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256]), st.floats(1e-4, 2.0), max_size=6
+    ),
+)
+states = st.builds(
+    PolicyState,
+    last_change_s=st.one_of(st.none(), st.floats(0, 1000)),
+    headroom_streak=st.integers(0, 5),
+    calm_streak=st.integers(0, 30),
+    kv_cap_ceiling=st.one_of(st.none(), st.integers(1, 512)),
+)
+
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- invariants -------------------------------------------------------------
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000))
+def test_never_leaves_bounds_and_target_within_cap(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float
+) -> None:
+    spec, window = sw
+    decision = decide(spec, window, obs, state, now_s)
+    assert spec.tuning.bounds.contains(decision.window) == []
+    assert decision.window.target_batch_size <= decision.window.hard_cap
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000))
+def test_each_field_moves_at_most_one_step(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float
+) -> None:
+    spec, window = sw
+    fraction = spec.tuning.max_step_fraction
+    new = decide(spec, window, obs, state, now_s).window
+    assert (
+        abs(new.target_batch_size - window.target_batch_size)
+        <= allowed_step(window.target_batch_size, fraction, SIZE_MIN_STEP) + 1e-9
+    )
+    assert abs(new.hard_cap - window.hard_cap) <= allowed_step(window.hard_cap, fraction, SIZE_MIN_STEP) + 1e-9
+    assert (
+        abs(new.max_wait_ms - window.max_wait_ms) <= allowed_step(window.max_wait_ms, fraction, WAIT_MIN_STEP_MS) + 1e-9
+    )
+    assert (
+        abs(new.tail_mark_ratio - window.tail_mark_ratio)
+        <= allowed_step(window.tail_mark_ratio, fraction, RATIO_MIN_STEP) + 1e-3
+    )
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, st.floats(0, 2000), st.floats(0, 1))
+def test_no_change_inside_cooldown(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, last_s: float, share: float
+) -> None:
+    spec, window = sw
+    assume(spec.tuning.cooldown_seconds > 0)
+    now_s = last_s + share * spec.tuning.cooldown_seconds * 0.999
+    decision = decide(spec, window, obs, PolicyState(last_change_s=last_s), now_s)
+    assert not decision.changed
+    assert decision.window == window
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000), st.floats(0, 19.99))
+def test_no_action_on_nan_or_sparse_data(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float, sparse: float
+) -> None:
+    spec, window = sw
+    for blind in (obs.with_(p99_s=NAN, p99_saturated=False), obs.with_(samples=sparse), obs.with_(samples=NAN)):
+        decision = decide(spec, window, blind, state, now_s)
+        assert decision.window == window
+        assert decision.direction == "hold"
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000), st.floats(0.0, 100.0), st.floats(0.0, 100.0))
+def test_worse_p99_never_gives_a_larger_cap(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float, a_s: float, b_s: float
+) -> None:
+    spec, window = sw
+    better, worse = sorted((a_s, b_s))
+    base = obs.with_(samples=1000.0, p99_saturated=False)
+    cap_better = decide(spec, window, base.with_(p99_s=better), state, now_s).window.hard_cap
+    cap_worse = decide(spec, window, base.with_(p99_s=worse), state, now_s).window.hard_cap
+    cap_saturated = decide(spec, window, base.with_(p99_s=worse, p99_saturated=True), state, now_s).window.hard_cap
+    assert cap_worse <= cap_better
+    assert cap_saturated <= cap_worse
+
+
+# ---- cases --------------------------------------------------------------------
+
+
+def test_saturated_p99_counts_as_far_over_not_as_its_value() -> None:
+    spec = make_spec()
+    top = LATENCY_BUCKETS_S[-1]
+    # The value itself (150 s) would be over anyway; use a tiny SLO-relative figure to show the flag wins.
+    obs = make_obs(p99_s=0.1, p99_saturated=True)
+    decision = decide(spec, WINDOW, obs, PolicyState(), 100.0)
+    assert decision.direction == "down"
+    assert "top bucket" in decision.reason
+    assert decision.window.max_wait_ms < WINDOW.max_wait_ms
+    assert is_saturated(top) and not is_saturated(0.5)
+
+
+def test_over_slo_steps_wait_and_target_down_and_bumps_generation() -> None:
+    decision = decide(make_spec(), WINDOW, make_obs(p99_s=2.5), PolicyState(), 100.0)
+    assert decision.direction == "down"
+    assert decision.window.target_batch_size == 4
+    assert decision.window.max_wait_ms == 10
+    assert decision.window.generation == WINDOW.generation + 1
+    assert decision.state.last_change_s == 100.0
+    assert "over SLO" in decision.reason
+
+
+def test_dead_band_holds() -> None:
+    decision = decide(
+        make_spec(), WINDOW, make_obs(p99_s=0.8, mean_batch_size=4.0, arrival_rate_per_s=300.0), PolicyState(), 100.0
+    )
+    assert decision.direction == "hold"
+    assert "dead band" in decision.reason
+
+
+def test_headroom_must_last_two_intervals_before_target_rises() -> None:
+    spec = make_spec(window={"hardCap": 128})
+    window = Window(target_batch_size=8, hard_cap=128, max_wait_ms=20)
+    # Running batch 20, 300 arrivals/s: half the batch plus a third of the 6 arrivals expected in
+    # 20 ms reliably fill a target of 12.
+    obs = make_obs(p99_s=0.2, mean_batch_size=20.0, arrival_rate_per_s=300.0)
+    first = decide(spec, window, obs, PolicyState(), 100.0)
+    assert first.direction == "hold"
+    second = decide(spec, window, obs, first.state, 115.0)
+    assert second.direction == "up"
+    assert second.window.target_batch_size == 12
+
+
+def test_backlog_raises_the_cap_even_over_the_slo() -> None:
+    obs = make_obs(p99_s=3.0, mean_batch_size=16.0, queue_depth=40.0)
+    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    assert decision.window.hard_cap == 24
+    assert "waiting" in decision.reason
+
+
+def test_preemptions_lower_the_cap_and_set_a_ceiling() -> None:
+    obs = make_obs(p99_s=0.3, mean_batch_size=16.0, queue_depth=40.0, preemptions_per_s=2.0)
+    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    assert decision.direction == "down"
+    assert decision.window.hard_cap < WINDOW.hard_cap
+    assert decision.state.kv_cap_ceiling == decision.window.hard_cap
+    # Later, a backlog cannot push the cap past that ceiling.
+    later = decide(make_spec(), decision.window, obs.with_(preemptions_per_s=0.0), decision.state, 200.0)
+    assert later.window.hard_cap <= decision.state.kv_cap_ceiling
+
+
+def test_high_kv_usage_blocks_cap_raises() -> None:
+    obs = make_obs(p99_s=3.0, mean_batch_size=16.0, queue_depth=40.0, kv_usage_ratio=0.95)
+    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    assert decision.window.hard_cap <= WINDOW.hard_cap
+
+
+def test_long_steps_over_slo_lower_the_cap() -> None:
+    obs = make_obs(p99_s=1.5, mean_batch_size=16.0, queue_depth=0.0, step_s_by_batch={16: 0.4})
+    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    assert decision.window.hard_cap < WINDOW.hard_cap
+    assert "too long" in decision.reason
+
+
+def test_friendliness_class_limits_the_cap() -> None:
+    window = Window(target_batch_size=8, hard_cap=32, max_wait_ms=20)
+    obs = make_obs(p99_s=0.2, mean_batch_size=32.0, queue_depth=40.0)
+    low = decide(make_spec(batchFriendliness="low", window={"hardCap": 32}), window, obs, PolicyState(), 100.0)
+    high = decide(make_spec(window={"hardCap": 32}), window, obs, PolicyState(), 100.0)
+    assert low.window.hard_cap == 32
+    assert high.window.hard_cap == 48
+
+
+def test_auto_mode_stops_the_target_at_the_knee() -> None:
+    # Throughput stops growing past 8: 8/0.01 = 16/0.02 = 32/0.04 = 800 tokens/s.
+    curve = {1: 0.01, 2: 0.01, 4: 0.01, 8: 0.01, 16: 0.02, 32: 0.04}
+    spec = make_spec(batchFriendliness="auto", window={"targetBatchSize": 8, "hardCap": 32})
+    window = Window(target_batch_size=8, hard_cap=32, max_wait_ms=20)
+    obs = make_obs(p99_s=0.1, mean_batch_size=20.0, arrival_rate_per_s=1000.0, step_s_by_batch=curve)
+    state = PolicyState(headroom_streak=5)
+    decision = decide(spec, window, obs, state, 100.0)
+    assert decision.friendliness is not None and decision.friendliness.knee_batch_size == 8
+    assert decision.window.target_batch_size == 8
+
+
+def test_wait_follows_the_arrival_rate() -> None:
+    spec = make_spec(tuning={"maxStepFraction": 1.0, "cooldownSeconds": 0})
+    window = Window(target_batch_size=8, hard_cap=16, max_wait_ms=40)
+    state = PolicyState(headroom_streak=5)
+    fast = decide(spec, window, make_obs(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=1000.0), state, 100.0)
+    slow = decide(spec, window, make_obs(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=5.0), state, 100.0)
+    assert fast.window.max_wait_ms < window.max_wait_ms
+    assert slow.window.max_wait_ms > window.max_wait_ms
+    assert slow.window.max_wait_ms <= 100  # a tenth of the 1 s SLO
+
+
+def test_window_outside_bounds_is_clamped_at_once() -> None:
+    spec = make_spec(tuning={"bounds": {"hardCap": {"min": 1, "max": 64}}})
+    window = Window(target_batch_size=8, hard_cap=200, max_wait_ms=20)
+    decision = decide(spec, window, make_obs(), PolicyState(last_change_s=99.0), 100.0)
+    assert decision.direction == "reset"
+    assert decision.window.hard_cap == 64
+
+
+def test_tail_ratio_rises_when_marking_catches_everyone() -> None:
+    obs = make_obs(p99_s=2.0, tail_marked_share=0.5)
+    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    assert decision.window.tail_mark_ratio == pytest.approx(2.25)
+
+
+def test_histogram_quantile_matches_prometheus() -> None:
+    bounds = (0.1, 0.2, 0.4)
+    assert math.isnan(histogram_quantile(0.99, bounds, [0, 0, 0, 0]))
+    assert histogram_quantile(0.5, bounds, [0, 10, 0, 0]) == pytest.approx(0.15)
+    assert histogram_quantile(0.99, bounds, [0, 0, 0, 5]) == 0.4  # +Inf bucket -> top finite bound
+    with pytest.raises(ValueError, match="counts"):
+        histogram_quantile(0.5, bounds, [1, 2])

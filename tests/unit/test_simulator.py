@@ -1,0 +1,142 @@
+"""The simulator: exact latencies on a hand-computed scenario, determinism, closed-loop recovery."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchpilot_operator.profile import LatencyMetric, parse_spec
+from batchpilot_operator.sim_controllers import AdaptiveController
+from batchpilot_operator.sim_metrics import exact_quantile, summarize
+from batchpilot_operator.simulator import SimConfig, Simulator, scheduler_config_for
+from batchpilot_runtime.cost_model import A100_LLAMA2_7B, UNIT
+from batchpilot_runtime.scheduler import SchedulerConfig
+from batchpilot_runtime.trace import TraceRequest
+from batchpilot_runtime.window import Window
+
+
+def make_config(**overrides: object) -> SimConfig:
+    values: dict[str, object] = {
+        "cost": UNIT,
+        "scheduler": SchedulerConfig(num_kv_blocks=256, kv_block_size=16),
+        "slo_p99_s": 1.0,
+    }
+    values.update(overrides)
+    return SimConfig(**values)  # type: ignore[arg-type]
+
+
+def test_hand_computed_scenario_latencies_are_exact() -> None:
+    # UNIT: 10 ms per step + 1 ms per prompt token + 1 ms per decoding sequence.
+    # t=0      A arrives (10-token prompt, 3 tokens out), admitted at once (wait 0).
+    #          step: prefill 10 -> 20 ms; A's first token at 0.020.
+    # t=0.005  B arrives (5-token prompt, 1 token out); queued until the step ends.
+    # t=0.020  step: A decodes (1) + B prefills (5) -> 16 ms; B's only token at 0.036 (done).
+    # t=0.036  step: A decodes -> 11 ms; A's third token at 0.047 (done).
+    requests = [TraceRequest(0.0, 10, 3), TraceRequest(0.005, 5, 1)]
+    window = Window(target_batch_size=1, hard_cap=4, max_wait_ms=0)
+    result = Simulator(requests, window, make_config()).run()
+    a, b = result.records
+    assert a.admitted_s == 0.0
+    assert a.ttft_s == pytest.approx(0.020)
+    assert a.e2e_s == pytest.approx(0.047)
+    assert b.admitted_s == pytest.approx(0.020)
+    assert b.queue_wait_s == pytest.approx(0.015)
+    assert b.ttft_s == pytest.approx(0.031)
+    assert b.e2e_s == pytest.approx(0.031)
+    assert result.steps == 3
+
+
+def test_target_and_wait_hold_requests_back_exactly() -> None:
+    # Target 2 with a 50 ms wait: A (t=0) waits for B (t=0.030), then both prefill together.
+    # Step at 0.030: prefill 4 + 4 tokens -> 18 ms; both first tokens at 0.048.
+    # C arrives alone at 1.0 and is admitted when its wait expires at 1.05: 10 + 4 = 14 ms -> 1.064.
+    requests = [TraceRequest(0.0, 4, 1), TraceRequest(0.030, 4, 1), TraceRequest(1.0, 4, 1)]
+    window = Window(target_batch_size=2, hard_cap=4, max_wait_ms=50)
+    result = Simulator(requests, window, make_config()).run()
+    a, b, c = result.records
+    assert a.ttft_s == pytest.approx(0.048)
+    assert b.ttft_s == pytest.approx(0.018)
+    assert c.admitted_s == pytest.approx(1.05)
+    assert c.ttft_s == pytest.approx(0.064)
+
+
+def _bursty_trace(n: int = 600) -> list[TraceRequest]:
+    out = []
+    t = 0.0
+    for i in range(n):
+        t += 0.01 if (i // 50) % 2 else 0.2
+        out.append(TraceRequest(t, 20 + (i * 37) % 200, 1 + (i * 13) % 40))
+    return out
+
+
+def test_same_inputs_give_the_same_admissions_and_latencies() -> None:
+    requests = _bursty_trace()
+    window = Window(target_batch_size=4, hard_cap=8, max_wait_ms=20)
+    config = make_config(cost=A100_LLAMA2_7B, scheduler=scheduler_config_for(A100_LLAMA2_7B), interval_s=5.0)
+    first = Simulator(requests, window, config).run()
+    second = Simulator(requests, window, config).run()
+    assert [(r.admitted_s, r.first_token_s, r.finished_s) for r in first.records] == [
+        (r.admitted_s, r.first_token_s, r.finished_s) for r in second.records
+    ]
+    assert first.interval_admissions == second.interval_admissions
+    assert first.steps == second.steps
+    assert sum(sum(a.values()) for _, a in first.interval_admissions) > 0
+
+
+def test_queue_overflow_counts_as_a_miss_not_a_crash() -> None:
+    requests = [TraceRequest(0.0, 50, 50) for _ in range(10)]
+    config = make_config(scheduler=SchedulerConfig(num_kv_blocks=256, kv_block_size=16, max_queue=3))
+    result = Simulator(requests, Window(target_batch_size=1, hard_cap=1, max_wait_ms=0), config).run()
+    summary = summarize(result, 1.0, LatencyMetric.TTFT)
+    assert summary["rejected"] == 7  # all ten arrive before the first step: three fit the queue
+    assert math.isinf(summary["p99_s"])
+
+
+def test_exact_quantile_is_nearest_rank() -> None:
+    assert exact_quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert exact_quantile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+
+
+@pytest.mark.slow
+def test_p99_back_under_slo_within_three_intervals_after_a_3x_step() -> None:
+    """Steady load, then three times the arrival rate: the adaptive window recovers in <= 3 intervals."""
+    interval_s = 15.0
+    step_at_s = 300.0
+    requests = []
+    t = 0.0
+    i = 0
+    while t < 600.0:
+        rate = 8.0 if t < step_at_s else 24.0
+        t += 1.0 / rate
+        requests.append(TraceRequest(t, 200 + (i * 53) % 200, 20 + (i * 7) % 20))
+        i += 1
+    spec = parse_spec(
+        {
+            "model": "m",
+            "selector": {"matchLabels": {"app": "m"}},
+            "batchFriendliness": "high",
+            "window": {"targetBatchSize": 2, "hardCap": 4, "maxWaitMs": 10},
+            "slo": {"p99Ms": 500},
+            "tuning": {"intervalSeconds": 15, "cooldownSeconds": 15},
+        }
+    )
+    config = SimConfig(
+        cost=A100_LLAMA2_7B,
+        scheduler=scheduler_config_for(A100_LLAMA2_7B),
+        slo_p99_s=0.5,
+        interval_s=interval_s,
+        rate_window_s=interval_s,
+    )
+    controller = AdaptiveController(spec)
+    result = Simulator(requests, Window.from_fields(spec.window, 0), config, controller).run()
+    # Exact P99 TTFT of the requests arriving in each interval after the step.
+    per_interval: list[float] = []
+    for k in range(int((600.0 - step_at_s) / interval_s)):
+        lo, hi = step_at_s + k * interval_s, step_at_s + (k + 1) * interval_s
+        ttfts = sorted(r.ttft_s for r in result.records if lo <= r.arrival_s < hi)
+        per_interval.append(exact_quantile(ttfts, 0.99))
+    before = sorted(r.ttft_s for r in result.records if 150.0 <= r.arrival_s < step_at_s)
+    assert exact_quantile(before, 0.99) <= 0.5, "the policy should have settled under the SLO before the step"
+    assert all(p99 <= 0.5 for p99 in per_interval[3:]), per_interval
+    assert result.window_changes > 0
