@@ -1,0 +1,351 @@
+"""kmock's Kubernetes emulator, extended into enough of an API server for kopf, the operator and kubectl.
+
+What kmock 0.8's ``KubernetesEmulator`` lacks and this adds:
+
+- ``metadata.resourceVersion`` set on create and bumped on every write (one
+  cluster-wide counter, as etcd's revision), and ``409 Conflict`` for a patch
+  that names a stale resourceVersion (optimistic concurrency);
+- ``metadata.generation``: 1 on create, bumped when ``spec`` changes;
+- ``uid``, ``creationTimestamp``, and ``generateName`` on create;
+- list responses with ``kind: <Kind>List``, ``apiVersion`` and the current
+  resourceVersion;
+- the status subresource: ``PATCH .../status`` changes only ``status``, and a
+  patch of the main resource leaves ``status`` alone (for resources that
+  declare the subresource);
+- discovery for the resources kopf, kubectl and the operator use (BatchProfiles,
+  pods, events, secrets, namespaces, CRDs, kopf peerings);
+- helpers to create pods with IPs and flip their readiness, and to inject
+  failures (one-shot 409s on status patches).
+
+Watches stream whatever kmock streams (existing objects, then the event bus);
+``timeoutSeconds`` is ignored, so kopf's client-side watch timeouts apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import kmock
+from kmock._internal import dicts, rendering
+
+from batchpilot_operator import API_VERSION, GROUP, KIND, PLURAL, SINGULAR, VERSION
+
+PROFILES = f"{GROUP}/{VERSION}/{PLURAL}"
+PODS = "v1/pods"
+EVENTS = "v1/events"
+SECRETS = "v1/secrets"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@attrs.define(kw_only=True)
+class KubeCluster(kmock.KubernetesEmulator):
+    _revision: int = attrs.field(default=100, init=False)
+    _status_subresources: set[Any] = attrs.field(factory=set, init=False)
+    fail_status_patches: int = attrs.field(default=0, init=False)  # answer this many status patches with 409
+    _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        info = kmock.ResourceInfo
+        all_verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
+        self.declare(PROFILES, info(kind=KIND, singular=SINGULAR, namespaced=True, shortnames={"bp"},
+                                    verbs=all_verbs, subresources={"status"}))  # fmt: skip
+        self.declare(PODS, info(kind="Pod", singular="pod", namespaced=True, verbs=all_verbs, subresources={"status"}))
+        self.declare(EVENTS, info(kind="Event", singular="event", namespaced=True, verbs=all_verbs))
+        self.declare(SECRETS, info(kind="Secret", singular="secret", namespaced=True, verbs=all_verbs))
+        self.declare("v1/namespaces", info(kind="Namespace", singular="namespace", namespaced=False, verbs=all_verbs))
+        self.declare("v1/configmaps", info(kind="ConfigMap", singular="configmap", namespaced=True, verbs=all_verbs))
+        self.declare(
+            "apiextensions.k8s.io/v1/customresourcedefinitions",
+            info(kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
+                 verbs=all_verbs),
+        )  # fmt: skip
+        self.declare("kopf.dev/v1/kopfpeerings", info(kind="KopfPeering", singular="kopfpeering", namespaced=True,
+                                                      verbs=all_verbs))  # fmt: skip
+        self.declare("kopf.dev/v1/clusterkopfpeerings",
+                     info(kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False, verbs=all_verbs))  # fmt: skip
+
+    def declare(self, resource: str, info: kmock.ResourceInfo) -> None:
+        self.resources[resource] = info
+        if "status" in info.subresources:
+            self._status_subresources.add(kmock.resource(resource))
+
+    def _next_revision(self) -> str:
+        self._revision += 1
+        return str(self._revision)
+
+    # ---- writes ---------------------------------------------------------------------------------------
+
+    def _current(self, request: rendering.Request) -> dict[str, Any] | None:
+        key = (request.resource, request.namespace, request.name)
+        if key in self.objects and not self.objects[key].deleted:
+            return dict(self.objects[key].raw)
+        return None
+
+    def _prepare_create(self, request: rendering.Request) -> rendering.Request:
+        data = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["resourceVersion"] = self._next_revision()
+        meta["generation"] = 1
+        if request.resource == kmock.resource(PROFILES):
+            data.pop("status", None)  # the API server ignores status on create when the subresource exists
+        return attrs.evolve(request, data=data)
+
+    def _prepare_update(self, request: rendering.Request) -> rendering.Request:
+        current = self._current(request)
+        if current is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        if not isinstance(request.data, Mapping):
+            return request  # JSON patches: passed through unchanged
+        patch = copy.deepcopy(dict(request.data))
+        wanted_version = (patch.get("metadata") or {}).get("resourceVersion")
+        current_version = current.get("metadata", {}).get("resourceVersion")
+        if wanted_version is not None and str(wanted_version) != str(current_version):
+            raise kmock.KubernetesError(
+                status=409,
+                reason="Conflict",
+                message=f"the object has been modified (resourceVersion {current_version})",
+            )
+        if request.subresource == "status":
+            if self.fail_status_patches > 0:
+                self.fail_status_patches -= 1
+                raise kmock.KubernetesError(status=409, reason="Conflict", message="injected conflict on status")
+            patch = {"status": patch.get("status")}
+        elif request.resource in self._status_subresources:
+            patch.pop("status", None)
+        meta = patch.setdefault("metadata", {})
+        meta["resourceVersion"] = self._next_revision()
+        after = dicts.patch_dict(copy.deepcopy(current), patch)
+        if after.get("spec") != current.get("spec"):
+            meta["generation"] = int(current.get("metadata", {}).get("generation") or 1) + 1
+        return attrs.evolve(request, data=patch)
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        # kmock logs every request for assertions and matches each new one against that log, which makes
+        # a long operator run quadratic; these tests assert on objects, so only a short tail is kept.
+        if len(self._requests) > 400:
+            del self._requests[:-50]
+        for payload in self._payloads:
+            if len(payload._requests) > 400:
+                del payload._requests[:-50]
+        if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            async with self._write_lock:
+                original = request
+                if request.action == kmock.action.CREATE:
+                    request = self._prepare_create(request)
+                else:
+                    request = self._prepare_update(request)
+                # kmock's views filter by membership in the root's request log: log the rewritten request instead
+                # (searched from the end, where it was just appended: O(1), not O(all requests so far)).
+                for index in range(len(self._requests) - 1, -1, -1):
+                    if self._requests[index] is original:
+                        self._requests[index] = request
+                        break
+                return await super()._handle(request)
+        return await super()._handle(request)
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        # kmock repeats a resource's short names on its subresources, which kubectl then warns about.
+        payload = await super()._serve_version(request)
+        for resource in payload.get("resources", []) if isinstance(payload, dict) else []:
+            if "/" in resource.get("name", ""):
+                resource["shortNames"] = []
+                resource["verbs"] = ["get", "patch", "update"]
+        return payload
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_list(request)
+        assert isinstance(payload, dict)
+        info = self.resources[request.resource] if request.resource is not None else None
+        kind = getattr(info, "kind", None) or "Object"
+        group_version = (
+            f"{request.resource.group}/{request.resource.version}"
+            if request.resource is not None and request.resource.group
+            else "v1"
+        )
+        payload["kind"] = f"{kind}List"
+        payload["apiVersion"] = group_version
+        payload["metadata"] = {"resourceVersion": str(self._revision)}
+        return payload
+
+    # ---- helpers for tests ----------------------------------------------------------------------------
+
+    @staticmethod
+    def kubeconfig(path: Path, server: str) -> Path:
+        path.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
+            f"clusters:\n- name: kmock\n  cluster:\n    server: {server}\n"
+            "contexts:\n- name: kmock\n  context:\n    cluster: kmock\n    user: kmock\n    namespace: default\n"
+            "users:\n- name: kmock\n  user:\n    token: kmock-token\n"
+        )
+        return path
+
+    def objects_of(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        res = kmock.resource(resource)
+        return [
+            dict(obj.raw)
+            for (r, ns, _), obj in list(self.objects.items())
+            if r == res and not obj.deleted and (namespace is None or ns == namespace)
+        ]
+
+    def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        key = (kmock.resource(resource), namespace, name)
+        if key in self.objects and not self.objects[key].deleted:
+            return dict(self.objects[key].raw)
+        return None
+
+    def events_for(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.objects_of(EVENTS, namespace) if (e.get("involvedObject") or {}).get("name") == name]
+
+
+def profile_body(namespace: str, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+            "spec": dict(spec)}  # fmt: skip
+
+
+def pod_body(namespace: str, name: str, labels: Mapping[str, str], ip: str, *, ready: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {"containers": [{"name": "runtime", "image": "batchpilot-runtime"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+@asynccontextmanager
+async def running_cluster() -> AsyncIterator[tuple[KubeCluster, str]]:
+    """A started emulator and its base URL."""
+    async with KubeCluster() as cluster, kmock.Server(cluster) as server:
+        yield cluster, str(server.url).rstrip("/")
+
+
+# ---- the operator as a subprocess, and waiting on conditions -------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_on_all(hosts: list[str]) -> int:
+    """A port free on every one of these loopback addresses (pods share ports on different IPs)."""
+    import socket
+
+    for _ in range(50):
+        port = free_port(hosts[0])
+        try:
+            for host in hosts:
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no common free port on {hosts}")
+
+
+async def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Poll a sync or async predicate until truthy (returned) or fail after ``timeout_s``. Never a fixed sleep."""
+    import inspect
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+        except (KeyError, IndexError, TypeError, StopIteration, ConnectionError, TimeoutError) as error:
+            last_error = error
+        except Exception as error:  # httpx errors of a busy server are transient while polling
+            if type(error).__module__.split(".")[0] not in ("httpx", "httpcore"):
+                raise
+            last_error = error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}" + (
+                f" (last error: {last_error!r})" if last_error else ""))  # fmt: skip
+        await asyncio.sleep(interval_s)
+
+
+class OperatorProcess:
+    """``batchpilot-operator run`` against the emulator, with its log in a file."""
+
+    def __init__(self, workdir: Path, server_url: str, *args: str, name: str = "operator") -> None:
+        import os
+        import subprocess
+        import sys
+
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.kubeconfig = KubeCluster.kubeconfig(workdir / "kubeconfig", server_url)
+        self.liveness_port = free_port()
+        self.metrics_port = free_port()
+        self.log_path = workdir / f"{name}.log"
+        command = [
+            sys.executable, "-m", "batchpilot_operator.cli", "run", "--kubeconfig", str(self.kubeconfig),
+            "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz", "--metrics-port", str(self.metrics_port),
+            *args,
+        ]  # fmt: skip
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTNAME": name}
+        )
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def metrics_text(self) -> str:
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=20)).text
+
+    async def liveness(self) -> int:
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=5)).status_code
+
+    def kill(self) -> None:
+        """SIGKILL: a crashed replica, which leaves its peering record to expire."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)  # kopf waits on its peering record at exit; not under test
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()

@@ -1,0 +1,166 @@
+"""``batchpilot-operator run`` (kopf) against the kmock emulator, with emulated runtime admin endpoints.
+
+Each emulated pod answers on its own loopback address (127.0.0.x) on one shared
+admin port, like pods on a cluster network. The operator runs as a subprocess
+with a 1 s interval (``--interval-override``; the resource itself allows >= 5 s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.fake_admin import ROOT_POD, FakeAdminServer
+from tests.integration.kmock_cluster import (
+    PROFILES,
+    KubeCluster,
+    OperatorProcess,
+    free_port_on_all,
+    pod_body,
+    profile_body,
+    running_cluster,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+POD_IPS = ["127.0.0.2", "127.0.0.3"]
+TOKEN = "kopf-test-token"
+
+
+def spec(admin_port: int, **overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "chat",
+        "selector": {"matchLabels": {"app": "chat"}},
+        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
+        "slo": {"p99Ms": 500},
+        "tuning": {"cooldownSeconds": 0},
+        "runtime": {"adminPort": admin_port, "servePort": admin_port},
+    }
+    body.update(overrides)
+    return body
+
+
+def condition(cluster: KubeCluster, name: str, type_: str, namespace: str = "ml") -> dict[str, Any] | None:
+    obj = cluster.get(PROFILES, namespace, name) or {}
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[tuple[KubeCluster, str, dict[str, FakeAdminServer], int]]:
+    port = free_port_on_all(POD_IPS)
+    fakes: dict[str, FakeAdminServer] = {}
+    for ip in POD_IPS:
+        fake = FakeAdminServer(0)
+        fake.add_pod(ROOT_POD, model="chat", token=TOKEN, max_hard_cap=64)
+        await fake.start(port, host=ip)
+        fakes[ip] = fake
+    async with running_cluster() as (cluster, url):
+        yield cluster, url, fakes, port
+    for fake in fakes.values():
+        await fake.stop()
+
+
+async def test_operator_reconciles_profiles_pods_and_failures(
+    env: tuple[KubeCluster, str, dict[str, FakeAdminServer], int], tmp_path: Path
+) -> None:
+    cluster, url, fakes, port = env
+    first, second = (fakes[ip].pods[ROOT_POD] for ip in POD_IPS)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    api = _client(url)
+    await create(api, "/api/v1/namespaces/ml/pods", pod_body("ml", "chat-a", {"app": "chat"}, POD_IPS[0], ready=True))
+    await create(api, "/api/v1/namespaces/ml/pods", pod_body("ml", "chat-b", {"app": "chat"}, POD_IPS[1], ready=False))
+    operator = OperatorProcess(
+        tmp_path, url, "-A", "--admin-token-file", str(token_file), "--interval-override", "1", "--tick", "0.3",
+        "--peering", "off", "--watch-check", "1",
+    )  # fmt: skip
+    try:
+        # 1. A new profile: the Ready pod gets the spec's window; status says so.
+        await create(api, PROFILES_PATH, profile_body("ml", "chat", spec(port)))
+        await wait_for(lambda: first.state.window.generation >= 1, 60, "the Ready pod to get the window")
+        assert first.state.window.hard_cap == 16 and second.puts == 0
+        synced = await wait_for(
+            lambda: (c := condition(cluster, "chat", "Synced")) and c["status"] == "True" and c, 30, "Synced=True"
+        )
+        assert synced["observedGeneration"] == 1
+        status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
+        assert status["pods"] == {"total": 2, "ready": 1, "synced": 1, "summary": "1/1"}
+        metrics = condition(cluster, "chat", "MetricsAvailable")
+        assert metrics is not None and metrics["status"] == "False"
+
+        # 2. The second pod becomes Ready: it gets the window at once.
+        await patch(api, "/api/v1/namespaces/ml/pods/chat-b/status",
+                    {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+        await wait_for(lambda: second.state.window.generation >= 1, 30, "the newly Ready pod to get the window")
+
+        # 3. A spec change is a new starting window, pushed with a new generation.
+        await patch(api, f"{PROFILES_PATH}/chat",
+                    {"spec": {"window": {"targetBatchSize": 4, "hardCap": 12, "maxWaitMs": 20}}})  # fmt: skip
+        await wait_for(
+            lambda: first.state.window.hard_cap == 12 and second.state.window.hard_cap == 12, 30, "the new window"
+        )
+        await wait_for(
+            lambda: (c := condition(cluster, "chat", "Synced")) and c["observedGeneration"] == 2, 30, "generation 2"
+        )
+
+        # 4. A status patch that conflicts (409) twice: the loop goes on and the status ends complete.
+        cluster.fail_status_patches = 2
+        second.fail_next = 100  # and a pod whose pushes fail (5xx)
+        second.restart()
+        await wait_for(
+            lambda: (c := condition(cluster, "chat", "Synced")) and c["reason"] == "PushFailed", 30, "PushFailed"
+        )
+        assert cluster.fail_status_patches == 0
+        status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
+        for key in ("window", "pods", "conditions", "observedGeneration", "lastDecision"):
+            assert key in status, key
+        await wait_for(lambda: any(e["reason"] == "PushFailed" for e in cluster.events_for("ml", "chat")), 30,
+                       "a PushFailed Event")  # fmt: skip
+        second.fail_next = 0
+        await wait_for(lambda: second.state.window.hard_cap == 12, 30, "the restarted pod to heal")
+
+        # 5. An invalid profile that slipped past validation: condition and Event naming the field, no crash.
+        bad = spec(port, window={"targetBatchSize": 64, "hardCap": 16, "maxWaitMs": 40})
+        bad["selector"] = {"matchLabels": {"app": "nothing"}}
+        await create(api, PROFILES_PATH, profile_body("ml", "bad", bad))
+        ready = await wait_for(lambda: condition(cluster, "bad", "Ready"), 30, "the invalid profile's condition")
+        assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and "spec.window" in ready["message"]
+        await wait_for(lambda: any(e["reason"] == "InvalidSpec" for e in cluster.events_for("ml", "bad")), 30,
+                       "an InvalidSpec Event")  # fmt: skip
+
+        # 6. Liveness and the operator's own metrics.
+        assert await operator.liveness() == 200
+        text = await operator.metrics_text()
+        assert "batchpilot_operator_profiles_managed 2.0" in text
+        assert "batchpilot_operator_push_errors_total" in text
+        assert operator.process.poll() is None, operator.log_text()[-3000:]
+    finally:
+        operator.stop()
+        await api.aclose()
+
+
+PROFILES_PATH = "/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles"
+
+
+def _client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=10)
+
+
+async def create(api: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await api.post(path, json=body)
+    assert response.status_code in (200, 201), response.text
+    return dict(response.json())
+
+
+async def patch(api: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await api.patch(path, json=body, headers={"Content-Type": "application/merge-patch+json"})
+    assert response.status_code == 200, response.text
+    return dict(response.json())

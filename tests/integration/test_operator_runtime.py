@@ -1,0 +1,213 @@
+"""End to end on one machine: kopf operator + kmock + two real runtimes (tiny) + a real Prometheus + load.
+
+The runtimes listen on 127.0.0.2 and 127.0.0.3 with the same ports, as two pods
+would; Prometheus scrapes them every second with a ``namespace`` label; the
+operator runs with a 2 s interval. The SLO is set from the latency measured under
+light load (3x it), so the test does not depend on this machine's speed; then a
+load step pushes P99 over it and the operator must lower the window within 3
+intervals (counted in the operator's own decisions, not in seconds), after which
+the profile's status, its Events and both runtimes' ``/admin/window`` agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from batchpilot_runtime.loadgen import Endpoint, run_load
+from batchpilot_runtime.trace import TraceRequest
+from tests.integration.kmock_cluster import (
+    PROFILES,
+    KubeCluster,
+    OperatorProcess,
+    free_port_on_all,
+    pod_body,
+    profile_body,
+    running_cluster,
+    wait_for,
+)
+from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
+from tests.integration.runtime_process import RuntimeProcess, start_runtime_process
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(prometheus_binary() is None, reason="prometheus not installed (scripts/system-deps.sh)"),
+]
+
+POD_IPS = ("127.0.0.2", "127.0.0.3")
+MODEL = "tiny-chat"
+TOKEN = "e2e-admin-token"
+INTERVAL_S = 2.0
+
+
+def steady_trace(rate_per_s: float, duration_s: float, prompt_tokens: int, output_tokens: int) -> list[TraceRequest]:
+    count = int(rate_per_s * duration_s)
+    return [TraceRequest(i / rate_per_s, prompt_tokens, output_tokens) for i in range(count)]
+
+
+def decisions_total(metrics_text: str) -> float:
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^batchpilot_operator_decisions_total\{[^}]*\} ([0-9.e+]+)$", metrics_text, re.M)
+    )
+
+
+@pytest.fixture
+def runtimes(tmp_path: Path) -> Iterator[tuple[list[RuntimeProcess], int, int]]:
+    serve_port = free_port_on_all(list(POD_IPS))
+    admin_port = free_port_on_all(list(POD_IPS))
+    started: list[RuntimeProcess] = []
+    try:
+        for ip in POD_IPS:
+            started.append(
+                start_runtime_process(
+                    tmp_path / ip, "--host", ip, "--port", str(serve_port), "--admin-port", str(admin_port),
+                    "--target-batch-size", "4", "--hard-cap", "8", "--max-wait-ms", "5",
+                    model_name=MODEL, token=TOKEN,
+                )
+            )  # fmt: skip
+        yield started, serve_port, admin_port
+    finally:
+        for runtime in started:
+            runtime.stop(timeout_s=20)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[tuple[KubeCluster, str]]:
+    async with running_cluster() as pair:
+        yield pair
+
+
+async def admin_window(runtime: RuntimeProcess) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=20) as client:
+        response = await client.get(f"{runtime.admin_url}/admin/window", headers=runtime.auth_headers())
+        response.raise_for_status()
+        return dict(response.json()["window"])
+
+
+def status_of(cluster: KubeCluster) -> dict[str, Any]:
+    return dict((cluster.get(PROFILES, "ml", "chat") or {}).get("status") or {})
+
+
+def cond(cluster: KubeCluster, type_: str) -> dict[str, Any]:
+    return next((c for c in status_of(cluster).get("conditions", []) if c["type"] == type_), {})
+
+
+async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
+    runtimes: tuple[list[RuntimeProcess], int, int], cluster: tuple[KubeCluster, str], tmp_path: Path
+) -> None:
+    processes, serve_port, admin_port = runtimes
+    kube, url = cluster
+    targets = [ScrapeTarget(f"{ip}:{serve_port}", {"namespace": "ml", "pod": f"chat-{i}"}) for i, ip in
+               enumerate(POD_IPS)]  # fmt: skip
+    prometheus = start_prometheus(tmp_path / "prometheus", targets, scrape_interval_s=1.0)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    api = httpx.AsyncClient(base_url=url, timeout=10)
+    operator: OperatorProcess | None = None
+    loads: list[asyncio.Task[Any]] = []
+    endpoints = [Endpoint(url=p.serve_url, model=MODEL) for p in processes]
+    try:
+        await wait_for(lambda: prometheus.targets_up(), 60, "Prometheus to scrape both runtimes")
+        for i, ip in enumerate(POD_IPS):
+            body = pod_body("ml", f"chat-{i}", {"app": "chat"}, ip, ready=True)
+            assert (await api.post("/api/v1/namespaces/ml/pods", json=body)).status_code == 200
+        operator = OperatorProcess(
+            tmp_path / "operator", url, "-A", "--admin-token-file", str(token_file),
+            "--prometheus-url", prometheus.url, "--scrape-interval", "1", "--interval-override", str(INTERVAL_S),
+            "--tick", "0.25", "--peering", "off",
+        )  # fmt: skip
+        spec = {
+            "model": MODEL,
+            "selector": {"matchLabels": {"app": "chat"}},
+            "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
+            "slo": {"latencyMetric": "ttft", "p99Ms": 60_000},
+            "tuning": {"cooldownSeconds": 0, "maxStepFraction": 0.5},
+            "runtime": {"adminPort": admin_port, "servePort": serve_port},
+        }
+        response = await api.post("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles",
+                                   json=profile_body("ml", "chat", spec))  # fmt: skip
+        assert response.status_code == 200, response.text
+
+        # 1. Both runtimes get the profile's window.
+        await wait_for(lambda: cond(kube, "Synced").get("status") == "True", 60, "both pods synced")
+        for runtime in processes:
+            assert (await admin_window(runtime))["hardCap"] == 16
+
+        # 2. Light load: metrics flow, the SLO is set to 3x what this machine gives under it.
+        light = steady_trace(8.0, 400.0, prompt_tokens=16, output_tokens=8)
+        loads.append(asyncio.create_task(run_load(endpoints, light, fanout="round-robin", request_timeout_s=120)))
+        await wait_for(lambda: cond(kube, "MetricsAvailable").get("status") == "True", 90, "metrics from Prometheus")
+        light_p99_ms = await wait_for(lambda: status_of(kube).get("observed", {}).get("p99Ms"), 30, "a light P99")
+        slo_ms = max(3.0 * light_p99_ms, 30.0)
+        patch = {"spec": {"slo": {"p99Ms": round(slo_ms)}}}
+        response = await api.patch("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles/chat", json=patch,
+                                   headers={"Content-Type": "application/merge-patch+json"})  # fmt: skip
+        assert response.status_code == 200
+        await wait_for(lambda: cond(kube, "Synced").get("observedGeneration") == 2, 30, "generation 2 observed")
+        window_before = status_of(kube)["window"]
+
+        # 3. The load step: many long requests at once. The window must go down within 3 intervals.
+        heavy = steady_trace(60.0, 30.0, prompt_tokens=96, output_tokens=48)
+        loads.append(asyncio.create_task(run_load(endpoints, heavy, fanout="round-robin", request_timeout_s=120)))
+        #    Intervals are counted in the operator's own decisions (one per interval), from the first
+        #    interval whose observation has P99 over the SLO; the status carries both in one patch.
+        await wait_for(lambda: status_of(kube).get("observed", {}).get("p99Ms", 0) > slo_ms, 120, "P99 over the SLO")
+        decisions_at_first_miss = decisions_total(await operator.metrics_text())
+
+        def lowered() -> bool:
+            # Lowered = a smaller target or a shorter wait than before the step (the policy may raise the
+            # cap at the same time when the queue is long, and then calls the whole change "up").
+            window = status_of(kube).get("window", {})
+            return window.get("generation", 0) > window_before["generation"] and (
+                window["targetBatchSize"] < window_before["targetBatchSize"]
+                or window["maxWaitMs"] < window_before["maxWaitMs"]
+            )
+
+        await wait_for(lowered, 120, "a lowered window")
+        decisions_at_down = decisions_total(await operator.metrics_text())
+        # The first over-SLO interval counts as one: the lowering comes within it or the next two.
+        assert decisions_at_down - decisions_at_first_miss <= 2, (decisions_at_first_miss, decisions_at_down)
+        status = status_of(kube)
+        assert status["lastDecision"]["reason"]
+        assert status["observed"]["p99Ms"] > slo_ms
+        assert cond(kube, "SLOMet")["status"] == "False"
+
+        # 4. Status, Events and both runtimes agree on the window in force. The operator keeps deciding
+        #    every interval under this load, so agreement is awaited between two pushes.
+        async def agreed() -> dict[str, Any] | None:
+            status = status_of(kube)
+            if status.get("pods", {}).get("synced") != 2 or cond(kube, "Synced").get("status") != "True":
+                return None
+            in_force = {k: v for k, v in status["window"].items() if k != "appliedAt"}
+            windows = [await admin_window(runtime) for runtime in processes]
+            if all(window == in_force for window in windows) and status_of(kube)["window"] == status["window"]:
+                return in_force
+            return None
+
+        in_force = await wait_for(agreed, 60, "status and both runtimes to agree on the window")
+        messages = [e["message"] for e in kube.events_for("ml", "chat") if e["reason"].startswith("Decision")]
+        assert any(e["reason"] in ("DecisionDown", "DecisionUp") for e in kube.events_for("ml", "chat"))
+        described = f"gen={in_force['generation']}"
+        await wait_for(
+            lambda: any(described in e["message"] for e in kube.events_for("ml", "chat")), 10,
+            f"an Event for the window in force ({described}) among {messages}",
+        )  # fmt: skip
+    finally:
+        for task in loads:
+            task.cancel()
+        for task in loads:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if operator is not None:
+            operator.stop()
+        prometheus.stop()
+        await api.aclose()

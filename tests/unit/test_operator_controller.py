@@ -1,0 +1,307 @@
+"""The controller's tick against emulated pods, a fake metric source and an in-memory API: the failure cases."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from batchpilot_operator.controller import Controller, PodRecord, ProfileRef, Settings
+from batchpilot_operator.observe import MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
+from batchpilot_operator.push import AdminClient
+from batchpilot_operator.status import apply_merge_patch
+from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
+from tests.integration.fake_admin import FakeAdminServer, closed_port_url
+
+
+def make_spec(model: str = "chat", **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": model,
+        "selector": {"matchLabels": {"app": model}},
+        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
+        "slo": {"p99Ms": 500},
+        "tuning": {"cooldownSeconds": 0},
+    }
+    spec.update(overrides)
+    return spec
+
+
+class MemorySink:
+    def __init__(self) -> None:
+        self.status: dict[str, dict[str, Any]] = {}
+        self.events: list[tuple[str, str, str, str]] = []
+        self.fail_patches = 0
+        self.patches = 0
+
+    async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
+        if self.fail_patches > 0:
+            self.fail_patches -= 1
+            raise RuntimeError("409 Conflict: the object has been modified")
+        self.patches += 1
+        self.status[ref.key] = apply_merge_patch(self.status.get(ref.key), patch)
+
+    async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
+        self.events.append((ref.key, type_, reason, message))
+
+    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
+        return "secret"
+
+    def reasons(self, key: str) -> list[str]:
+        return [reason for k, _, reason, _ in self.events if k == key]
+
+
+class FakeSource:
+    """Per-model latency in seconds: every request of the window takes exactly that long."""
+
+    def __init__(self) -> None:
+        self.latency_s: dict[str, float] = {}
+        self.error: str | None = None
+        self.calls = 0
+
+    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]:
+        self.calls += 1
+        if self.error:
+            raise MetricsUnavailable(self.error)
+        builder = MetricsBuilder(60.0)
+        for (namespace, model), _ in targets.items():
+            latency = self.latency_s.get(model)
+            if latency is None:
+                continue
+            for bound in (*LATENCY_BUCKETS_S, math.inf):
+                builder.add_bucket((namespace, model), "ttft", bound, 10.0 if bound >= latency else 0.0)
+            builder.add_rate((namespace, model), "requests", 10.0)
+            builder.add_rate((namespace, model), "batch_sum", 60.0)
+            builder.add_rate((namespace, model), "batch_count", 10.0)
+            builder.add_gauge((namespace, model), "queue_depth", 2.0)
+        return builder.build()
+
+
+class Harness:
+    def __init__(self, fake: FakeAdminServer, controller: Controller, sink: MemorySink, source: FakeSource) -> None:
+        self.fake, self.controller, self.sink, self.source = fake, controller, sink, source
+        self.now = 1000.0
+
+    async def tick(self) -> None:
+        self.now += 1.0
+        await self.controller.tick()
+        await self.controller.drain_events()
+
+    def add_pod(self, pod_id: str, model: str = "chat", *, admin_url: str | None = None) -> PodRecord:
+        if pod_id not in self.fake.pods:
+            self.fake.add_pod(pod_id, model=model, max_hard_cap=64)
+        pod = PodRecord(
+            "ml", f"{model}-{pod_id}", {"app": model}, ip="127.0.0.1", ready=True,
+            admin_url=admin_url or self.fake.admin_url(pod_id), uid=f"uid-{pod_id}",
+        )  # fmt: skip
+        self.controller.upsert_pod(pod)
+        return pod
+
+    def status(self, name: str = "chat") -> dict[str, Any]:
+        return self.sink.status[f"ml/{name}"]
+
+    def condition(self, type_: str, name: str = "chat") -> dict[str, Any]:
+        return next(c for c in self.status(name)["conditions"] if c["type"] == type_)
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    async def no_sleep(_: float) -> None:
+        await asyncio.sleep(0)
+
+    async with FakeAdminServer(0) as fake:
+        sink, source = MemorySink(), FakeSource()
+        admin = AdminClient(timeout_s=0.5, retries=2, backoff_s=0.01, sleep=no_sleep)
+        harness: Harness
+        controller = Controller(
+            Settings(interval_override_s=1.0, default_token="secret"),
+            source,
+            admin,
+            sink,
+            wall_clock=lambda: harness.now,
+            monotonic=lambda: harness.now,
+        )
+        harness = Harness(fake, controller, sink, source)
+        yield harness
+        await admin.aclose()
+
+
+async def test_new_profile_pushes_spec_window_and_reports_synced(h: Harness) -> None:
+    h.add_pod("0")
+    h.add_pod("1")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    await h.tick()
+    for pod in ("0", "1"):
+        assert h.fake.pods[pod].state.window.hard_cap == 16
+    assert h.status()["pods"] == {"total": 2, "ready": 2, "synced": 2, "summary": "2/2"}
+    assert h.condition("Synced")["status"] == "True"
+    assert h.condition("Ready")["observedGeneration"] == 1
+    assert h.status()["observedGeneration"] == 1
+
+
+async def test_slo_miss_lowers_the_window_and_lands_in_status_and_events(h: Harness) -> None:
+    h.add_pod("0")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.source.latency_s["chat"] = 2.0  # 4x the SLO
+    await h.tick()
+    window = h.status()["window"]
+    assert window["targetBatchSize"] < 8 and window["generation"] == 2
+    assert h.fake.pods["0"].state.window.generation == 2
+    assert h.status()["lastDecision"]["direction"] == "down"
+    assert h.condition("SLOMet")["status"] == "False"
+    assert "DecisionDown" in h.sink.reasons("ml/chat")
+
+
+async def test_prometheus_unreachable_holds_and_reports_then_recovers(h: Harness) -> None:
+    h.add_pod("0")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    await h.tick()
+    h.source.error = "Prometheus at http://prom:9090 failed: connection refused"
+    h.source.latency_s["chat"] = 2.0
+    await h.tick()
+    condition = h.condition("MetricsAvailable")
+    assert condition["status"] == "False" and "connection refused" in condition["message"]
+    assert h.status()["window"]["generation"] == 1
+    assert h.fake.pods["0"].state.window.generation == 1
+    h.source.error = None
+    await h.tick()
+    assert h.condition("MetricsAvailable")["status"] == "True"
+    assert h.status()["window"]["generation"] == 2
+
+
+async def test_no_data_for_one_profile_leaves_the_others_deciding(h: Harness) -> None:
+    h.add_pod("0", "chat")
+    h.add_pod("1", "batch")
+    h.controller.upsert_profile("ml", "chat", make_spec("chat"), generation=1)
+    h.controller.upsert_profile("ml", "batch", make_spec("batch"), generation=1)
+    h.source.latency_s["batch"] = 3.0  # chat: no series at all
+    await h.tick()
+    assert h.condition("MetricsAvailable", "chat")["status"] == "False"
+    assert h.status("chat")["window"]["generation"] == 1
+    assert h.status("batch")["window"]["generation"] == 2
+
+
+async def test_restarted_pod_gets_the_current_window_within_one_interval(h: Harness) -> None:
+    h.add_pod("0")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.source.latency_s["chat"] = 2.0
+    await h.tick()
+    generation = h.fake.pods["0"].state.window.generation
+    h.fake.pods["0"].restart()
+    await h.tick()
+    assert h.fake.pods["0"].state.window.generation >= generation
+
+
+async def test_failed_push_is_visible_and_does_not_block_other_pods(h: Harness) -> None:
+    h.add_pod("0")
+    h.add_pod("dead", admin_url=closed_port_url())
+    h.fake.add_pod("flaky", model="chat")
+    h.fake.pods["flaky"].fail_next = 100
+    h.add_pod("flaky")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    await h.tick()
+    assert h.fake.pods["0"].state.window.generation == 1
+    synced = h.condition("Synced")
+    assert synced["status"] == "False" and synced["reason"] == "PushFailed"
+    assert "chat-dead" in synced["message"] and "503" in synced["message"]
+    assert h.status()["pods"]["synced"] == 1
+    assert h.sink.reasons("ml/chat").count("PushFailed") == 2
+    h.fake.pods["flaky"].fail_next = 0
+    await h.tick()
+    assert h.fake.pods["flaky"].state.window.generation == 1
+
+
+async def test_status_patch_failure_loses_no_field(h: Harness) -> None:
+    h.add_pod("0")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.sink.fail_patches = 1
+    await h.tick()
+    assert "ml/chat" not in h.sink.status
+    h.source.latency_s["chat"] = 2.0
+    await h.tick()
+    status = h.status()
+    for key in ("window", "pods", "conditions", "observedGeneration", "lastDecision", "observed"):
+        assert key in status, key
+    # A later failure does not roll anything back either.
+    h.sink.fail_patches = 1
+    h.source.latency_s["chat"] = 0.05
+    await h.tick()
+    await h.tick()
+    assert h.status()["observed"]["p99Ms"] < 100
+
+
+async def test_invalid_profile_is_reported_naming_the_field_and_nothing_is_pushed(h: Harness) -> None:
+    h.add_pod("0")
+    bad = make_spec(window={"targetBatchSize": 64, "hardCap": 16, "maxWaitMs": 40})
+    h.controller.upsert_profile("ml", "chat", bad, generation=3)
+    await h.tick()
+    await h.tick()
+    ready = h.condition("Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert "spec.window" in ready["message"] and ready["observedGeneration"] == 3
+    assert h.fake.pods["0"].puts == 0
+    assert h.sink.reasons("ml/chat") == ["InvalidSpec"]  # once per generation, not per tick
+
+
+async def test_window_over_pod_capacity_is_clamped(h: Harness) -> None:
+    h.add_pod("0")  # capacity 64
+    spec = make_spec(window={"targetBatchSize": 100, "hardCap": 128, "maxWaitMs": 40})
+    h.controller.upsert_profile("ml", "chat", spec, generation=1)
+    await h.tick()
+    assert h.fake.pods["0"].state.window.hard_cap == 64
+    assert h.condition("Synced")["reason"] == "Clamped"
+    assert "WindowClamped" in h.sink.reasons("ml/chat")
+
+
+async def test_refused_window_is_never_retried_forever(h: Harness) -> None:
+    h.add_pod("0")
+    h.fake.pods["0"].refuse_all = "tailMarkRatio not supported"
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    for _ in range(5):
+        await h.tick()
+    assert h.condition("Synced")["reason"] == "PushRefused"
+    assert h.fake.requests <= 3  # GET + PUT once for generation 1, then never again
+
+
+async def test_pod_with_newer_generation_is_overtaken(h: Harness) -> None:
+    h.add_pod("0")
+    h.fake.pods["0"].state = h.fake.pods["0"].state.model_copy(
+        update={"window": h.fake.pods["0"].state.window.with_generation(41)}
+    )
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    await h.tick()
+    assert h.fake.pods["0"].state.window.generation == 42
+    assert h.fake.pods["0"].state.window.hard_cap == 16
+
+
+async def test_recommend_mode_never_pushes(h: Harness) -> None:
+    h.add_pod("0")
+    spec = make_spec(tuning={"mode": "recommend", "cooldownSeconds": 0})
+    h.controller.upsert_profile("ml", "chat", spec, generation=1)
+    h.source.latency_s["chat"] = 2.0
+    await h.tick()
+    assert h.fake.pods["0"].puts == 0
+    assert h.status()["lastDecision"]["direction"] == "recommend"
+    assert h.status()["recommendedWindow"]["targetBatchSize"] < 8
+
+
+async def test_unchanged_status_is_not_patched(h: Harness) -> None:
+    h.add_pod("0")
+    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    await h.tick()
+    await h.tick()
+    patches = h.sink.patches
+    await h.tick()
+    await h.tick()
+    assert h.sink.patches == patches
+
+
+async def test_one_collection_per_interval_for_all_profiles(h: Harness) -> None:
+    for i in range(20):
+        h.add_pod(str(i), f"m{i}")
+        h.controller.upsert_profile("ml", f"p{i}", make_spec(f"m{i}"), generation=1)
+    await h.tick()
+    await h.tick()
+    assert h.source.calls == 2

@@ -1,0 +1,155 @@
+"""Observation layer: quantiles from bucket increments, grouped PromQL, scraping deltas."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from batchpilot_operator import promql
+from batchpilot_operator.observe import (
+    HistogramWindow,
+    MetricsBuilder,
+    histogram_from_buckets,
+    lookup,
+    to_observations,
+)
+from batchpilot_operator.scrape import Scrape, metrics_from_scrapes, parse_exposition
+from batchpilot_runtime import metric_names as rm
+
+
+def hist(counts: dict[float, float]) -> HistogramWindow:
+    return histogram_from_buckets(counts)
+
+
+def test_quantile_interpolates_within_bucket_like_prometheus() -> None:
+    h = hist({0.1: 50, 0.2: 100, 0.4: 100, math.inf: 100})
+    assert h.quantile(0.5).value_s == pytest.approx(0.1)
+    assert h.quantile(0.75).value_s == pytest.approx(0.15)
+    assert not h.quantile(0.75).saturated
+
+
+def test_quantile_in_inf_bucket_is_saturated_not_a_value() -> None:
+    h = hist({0.1: 10, 0.2: 20, math.inf: 100})
+    q = h.quantile(0.99)
+    assert q.saturated
+    assert q.value_s == pytest.approx(0.2)
+
+
+def test_no_observations_is_unknown_not_zero() -> None:
+    q = hist({0.1: 0, math.inf: 0}).quantile(0.99)
+    assert q.value_s is None and not q.saturated
+    obs = to_observations(None, "ttft", 5.0)
+    assert math.isnan(obs.p99_s) and math.isnan(obs.queue_depth)
+
+
+def test_non_monotone_buckets_are_made_monotone() -> None:
+    h = hist({0.1: 5, 0.2: 4, math.inf: 6})
+    assert h.cumulative == (5, 5, 6)
+
+
+def test_queries_name_only_runtime_metrics_and_stay_grouped() -> None:
+    queries = promql.build_queries(60)
+    assert len(queries) == 3
+    assert queries["latency"].count("histogram_quantile(") == 9
+    known = rm.all_series_names()
+    for expr in queries.values():
+        assert "[60s]" in expr or "rate" not in expr
+        for name in re.findall(r"\bbatchpilot_[a-z_]+", expr):
+            assert name in known, name
+        assert "by (namespace, model" in expr
+
+
+def test_rate_window_is_at_least_four_scrapes() -> None:
+    assert promql.rate_window_s(15, 15) == 60
+    assert promql.rate_window_s(1, 3) == 4
+    assert promql.rate_window_s(1, 10) == 10
+
+
+def _sample(labels: dict[str, str], value: float) -> dict[str, object]:
+    return {"metric": labels, "value": [1.0, str(value)]}
+
+
+def test_parse_results_groups_by_namespace_and_model() -> None:
+    base = {"namespace": "ml", "model": "chat"}
+    results = {
+        "latency": [
+            _sample({**base, "bp_quantile": "0.5", "bp_series": "ttft"}, 0.05),
+            _sample({**base, "bp_quantile": "0.99", "bp_series": "ttft"}, 0.3),
+            _sample({**base, "bp_quantile": "0.999", "bp_series": "ttft"}, float("nan")),
+            _sample({**base, "bp_series": "ttft_count"}, 10.0),
+            _sample({**base, "bp_quantile": "0.99", "bp_series": "e2e"}, 150.0),
+        ],
+        "rates": [
+            _sample({**base, "bp_series": "requests"}, 2.5),
+            _sample({**base, "bp_series": "admissions", "reason": "target"}, 3.0),
+            _sample({**base, "bp_series": "admissions", "reason": "wait"}, 1.0),
+            _sample({**base, "bp_series": "batch_sum"}, 40.0),
+            _sample({**base, "bp_series": "batch_count"}, 10.0),
+            _sample({**base, "bp_series": "step_sum", "batch_bucket": "4"}, 0.2),
+            _sample({**base, "bp_series": "step_count", "batch_bucket": "4"}, 10.0),
+            _sample({**base, "bp_series": "preemptions"}, float("nan")),
+        ],
+        "gauges": [
+            _sample({**base, "bp_series": "queue_depth"}, 7),
+            _sample({**base, "bp_series": "kv_usage"}, 0.4),
+            _sample({**base, "bp_series": "pods"}, 2),
+        ],
+    }
+    metrics = promql.parse_results(results, 60)
+    m = lookup(metrics, "ml", "chat")
+    assert m is not None
+    assert lookup(metrics, "other", "chat") is None
+    obs = to_observations(m, "ttft", 100.0)
+    assert obs.p50_s == pytest.approx(0.05) and obs.p99_s == pytest.approx(0.3) and not obs.p99_saturated
+    assert math.isnan(obs.p999_s)
+    assert obs.samples == pytest.approx(600)
+    # Prometheus answers the top finite bucket bound for a quantile in +Inf: that is saturation.
+    assert to_observations(m, "e2e", 100.0).p99_saturated
+    assert obs.arrival_rate_per_s == 2.5
+    assert obs.batch_hit_ratio == pytest.approx(0.75)
+    assert obs.mean_batch_size == pytest.approx(4.0)
+    assert obs.step_s_by_batch == {4: pytest.approx(0.02)}
+    assert obs.queue_depth == 7 and obs.kv_usage_ratio == 0.4
+    assert math.isnan(obs.preemptions_per_s)
+
+
+EXPOSITION = """# TYPE batchpilot_ttft_seconds histogram
+batchpilot_ttft_seconds_bucket{{model="m",lane="default",le="0.1"}} {a}
+batchpilot_ttft_seconds_bucket{{model="m",lane="default",le="1.0"}} {b}
+batchpilot_ttft_seconds_bucket{{model="m",lane="default",le="+Inf"}} {b}
+batchpilot_ttft_seconds_sum{{model="m",lane="default"}} 1.0
+batchpilot_ttft_seconds_count{{model="m",lane="default"}} {b}
+# TYPE batchpilot_requests_total counter
+batchpilot_requests_total{{model="m",outcome="completed"}} {b}
+# TYPE batchpilot_queue_depth gauge
+batchpilot_queue_depth{{model="m"}} 3
+"""
+
+
+def test_scrape_deltas_give_rates_and_quantiles() -> None:
+    first = Scrape(0.0, parse_exposition(EXPOSITION.format(a=10, b=10)))
+    second = Scrape(10.0, parse_exposition(EXPOSITION.format(a=10, b=30)))
+    builder = MetricsBuilder(10.0)
+    metrics_from_scrapes(second, first, builder)
+    m = builder.build()[("", "m")]
+    assert m.requests_per_s == pytest.approx(2.0)
+    # 20 new requests, all between 0.1 and 1.0 s: P50 is the bucket's middle.
+    assert m.latency["ttft"].quantile(0.5).value_s == pytest.approx(0.55)
+    assert m.queue_depth == 3 and m.pods_reporting == 1
+
+
+def test_scrape_counter_reset_counts_current_value() -> None:
+    before = Scrape(0.0, parse_exposition(EXPOSITION.format(a=100, b=100)))
+    after = Scrape(5.0, parse_exposition(EXPOSITION.format(a=5, b=5)))
+    builder = MetricsBuilder(5.0)
+    metrics_from_scrapes(after, before, builder)
+    assert builder.build()[("", "m")].requests_per_s == pytest.approx(1.0)
+
+
+def test_first_scrape_has_gauges_but_no_rates() -> None:
+    builder = MetricsBuilder(0.0)
+    metrics_from_scrapes(Scrape(0.0, parse_exposition(EXPOSITION.format(a=1, b=1))), None, builder)
+    m = builder.build()[("", "m")]
+    assert m.requests_per_s is None and not m.latency and m.queue_depth == 3

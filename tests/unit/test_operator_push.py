@@ -1,0 +1,147 @@
+"""The push client against emulated admin endpoints: level-triggered sync and every failure path."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from batchpilot_operator.push import (
+    CONFLICT,
+    ERROR,
+    OK,
+    REFUSED,
+    UNAUTHORIZED,
+    AdminClient,
+    PodTarget,
+    clamp_to_capacity,
+)
+from batchpilot_runtime.window import Window
+from tests.integration.fake_admin import FakeAdminServer, closed_port_url
+
+
+def make_window(generation: int = 1, cap: int = 16, target: int = 8) -> Window:
+    return Window(target_batch_size=target, hard_cap=cap, max_wait_ms=20, tail_mark_ratio=2.0, generation=generation)
+
+
+async def no_sleep(_: float) -> None:
+    await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[FakeAdminServer]:
+    async with FakeAdminServer(3, max_hard_cap=64) as fake:
+        yield fake
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[AdminClient]:
+    admin = AdminClient(timeout_s=1.0, retries=3, backoff_s=0.01, sleep=no_sleep)
+    yield admin
+    await admin.aclose()
+
+
+def target(server: FakeAdminServer, pod: str = "0", token: str | None = "secret") -> PodTarget:
+    return PodTarget(f"ns/{pod}", server.admin_url(pod), token)
+
+
+async def test_pod_behind_is_pushed_and_pod_in_sync_is_not(server: FakeAdminServer, client: AdminClient) -> None:
+    result = await client.sync(target(server), make_window(1))
+    assert result.outcome == OK and result.pushed
+    assert server.pods["0"].state.window == make_window(1)
+    again = await client.sync(target(server), make_window(1))
+    assert again.outcome == OK and not again.pushed
+    assert server.pods["0"].puts == 1
+
+
+async def test_restarted_pod_is_pushed_again(server: FakeAdminServer, client: AdminClient) -> None:
+    await client.sync(target(server), make_window(3))
+    server.pods["0"].restart()
+    result = await client.sync(target(server), make_window(3))
+    assert result.pushed and server.pods["0"].state.window.generation == 3
+
+
+async def test_5xx_is_retried_with_backoff(server: FakeAdminServer) -> None:
+    delays: list[float] = []
+
+    async def record(delay: float) -> None:
+        delays.append(delay)
+
+    admin = AdminClient(timeout_s=1.0, retries=3, backoff_s=0.1, sleep=record)
+    server.pods["0"].fail_next = 2
+    result = await admin.sync(target(server), make_window(1))
+    await admin.aclose()
+    assert result.outcome == OK and result.pushed
+    assert len(delays) == 2 and delays[1] > delays[0] * 0.9  # exponential, with jitter in [0.5, 1]
+
+
+async def test_5xx_gives_up_after_bounded_attempts(server: FakeAdminServer, client: AdminClient) -> None:
+    server.pods["0"].fail_next = 100
+    result = await client.sync(target(server), make_window(1))
+    assert result.outcome == ERROR and "503" in result.detail and result.attempts == 3
+
+
+async def test_connection_refused_is_an_error_not_an_exception(client: AdminClient) -> None:
+    result = await client.sync(PodTarget("ns/gone", closed_port_url(), "secret"), make_window(1))
+    assert result.outcome == ERROR and result.attempts == 3
+
+
+async def test_timeout_is_an_error(server: FakeAdminServer) -> None:
+    admin = AdminClient(timeout_s=0.2, retries=1, sleep=no_sleep)
+    server.pods["0"].delay_s = 2.0
+    result = await admin.sync(target(server), make_window(1))
+    await admin.aclose()
+    assert result.outcome == ERROR and "timed out" in result.detail
+
+
+async def test_a_slow_pod_does_not_block_the_others(server: FakeAdminServer) -> None:
+    admin = AdminClient(timeout_s=0.5, retries=1, sleep=no_sleep)
+    server.pods["0"].delay_s = 5.0
+    results = await admin.sync_all([(target(server, p), make_window(1), None) for p in ("0", "1", "2")])
+    await admin.aclose()
+    assert [r.outcome for r in results] == [ERROR, OK, OK]
+
+
+async def test_wrong_token_is_unauthorized(server: FakeAdminServer, client: AdminClient) -> None:
+    result = await client.sync(target(server, token="wrong"), make_window(1))
+    assert result.outcome == UNAUTHORIZED and result.attempts == 1
+
+
+async def test_newer_generation_on_pod_is_a_conflict(server: FakeAdminServer, client: AdminClient) -> None:
+    await client.sync(target(server), make_window(7))
+    result = await client.sync(target(server), make_window(5))
+    assert result.outcome == CONFLICT and result.state is not None and result.state.window.generation == 7
+
+
+async def test_422_cap_over_capacity_is_clamped_to_the_reported_capacity(
+    server: FakeAdminServer, client: AdminClient
+) -> None:
+    result = await client.sync(target(server), make_window(2, cap=128, target=100))
+    assert result.outcome == OK and result.clamped is not None
+    in_force = server.pods["0"].state.window
+    assert (in_force.hard_cap, in_force.target_batch_size, in_force.generation) == (64, 64, 2)
+
+
+async def test_422_with_nothing_to_clamp_is_refused_without_retry(server: FakeAdminServer, client: AdminClient) -> None:
+    server.pods["0"].refuse_all = "maxWaitMs too large for this pod"
+    result = await client.sync(target(server), make_window(2, cap=16))
+    assert result.outcome == REFUSED and "maxWaitMs" in result.detail
+    assert result.attempts == 2  # one GET, one PUT: a refusal is final
+
+
+def test_clamp_to_capacity_keeps_target_within_cap() -> None:
+    from batchpilot_runtime.admin_api import PodCapacity
+
+    capacity = PodCapacity(kv_cache_tokens=1, kv_block_size=1, max_hard_cap=10, max_model_len=1)
+    clamped = clamp_to_capacity(make_window(cap=32, target=16), capacity)
+    assert clamped is not None and (clamped.hard_cap, clamped.target_batch_size) == (10, 10)
+    assert clamp_to_capacity(make_window(cap=8, target=4), capacity) is None
+
+
+async def test_refusal_after_clamp_is_reported_as_refused(server: FakeAdminServer, client: AdminClient) -> None:
+    server.pods["0"].refuse_all = "hardCap too large for the KV cache"
+    result = await client.sync(target(server), make_window(2, cap=128))
+    assert result.outcome == REFUSED and "clamped to capacity and refused again" in result.detail
+    assert result.attempts == 3  # GET, PUT, clamped PUT; never more
+    assert server.pods["0"].puts == 0
