@@ -50,7 +50,11 @@ Handler = Callable[[argparse.Namespace], int]
 
 # Modules that each define ``register(subparsers)`` adding their own subcommand;
 # they import their heavy dependencies inside the handler, so --help stays fast.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "batchpilot_operator.demo_cli",
+    "batchpilot_operator.commands",
+    "batchpilot_operator.simulate_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

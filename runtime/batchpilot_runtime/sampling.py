@@ -12,10 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this the softmax of logits / temperature is one-hot up to float32 precision, and
+# the division itself under- or overflows (1e-300 is 0 in float32): sample greedily.
+GREEDY_BELOW_TEMPERATURE = 1e-4
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. ``temperature == 0`` is greedy (argmax; seed and top_p unused)."""
+    """How to pick the next token. ``temperature`` 0 (or below 1e-4) is greedy (argmax; seed and top_p unused)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -31,7 +35,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -84,7 +88,10 @@ def sample(
         if row_params.is_greedy:
             continue
         row_logits = logits[row].float()
-        probs = torch.softmax(row_logits / row_params.temperature, dim=-1)
+        # Shift so the largest logit is 0 before dividing: a tiny temperature then sends
+        # the others to -inf (probability 0) instead of overflowing every logit to inf (NaN).
+        shifted = row_logits - row_logits.max()
+        probs = torch.softmax(shifted / row_params.temperature, dim=-1)
         probs = top_p_filter(probs, row_params.top_p)
         if generator is not None and generator.device != probs.device:
             probs = probs.to(generator.device)

@@ -73,3 +73,10 @@ def test_invalid_parameters_name_the_field(kwargs: dict[str, float], field: str)
 def test_row_counts_must_match() -> None:
     with pytest.raises(ValueError, match="params"):
         sample(make_logits(2), [SamplingParams()], [None, None])
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 2.0128607718558824e-286, 1e-30])
+def test_tiny_temperature_behaves_like_greedy_not_nan(temperature: float) -> None:
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    params = [SamplingParams(temperature=temperature, top_p=1.0, seed=7)]
+    assert sample(logits, params, [make_generator(params[0])]) == [1]

@@ -1,0 +1,61 @@
+"""Read the operator's decisions from what ``batchpilot-operator local`` prints.
+
+Local mode prints one line per decision (see ``batchpilot_operator.local.print_decision``)::
+
+    HH:MM:SS NAMESPACE/NAME model=MODEL mode=MODE DIRECTION: WINDOW - REASON
+
+with WINDOW in :meth:`Window.describe`'s form. A JSON object per line with the keys
+``model``, ``direction``, ``reason`` and ``window`` is read too. Every other line (start-up
+messages, events such as push failures) is not a decision.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+DIRECTIONS = ("up", "down", "hold", "reset", "recommend")
+_LINE = re.compile(
+    r"^\S+ (?P<profile>\S+) model=(?P<model>\S+) mode=(?P<mode>\S+) "
+    r"(?P<direction>" + "|".join(DIRECTIONS) + r"): (?P<window>.*?) - (?P<reason>.*)$"
+)
+
+
+@dataclass(frozen=True)
+class ParsedDecision:
+    model: str
+    direction: str
+    reason: str
+    window: str | None
+
+
+def _from_json(line: str, models: set[str]) -> ParsedDecision | None:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    direction, model = data.get("direction"), data.get("model")
+    if direction not in DIRECTIONS or model not in models:
+        return None
+    window = data.get("window")
+    if isinstance(window, dict):
+        window = " ".join(f"{k}={v}" for k, v in window.items())
+    return ParsedDecision(str(model), str(direction), str(data.get("reason", "")), str(window) if window else None)
+
+
+def parse_decision_line(line: str, models: Iterable[str]) -> ParsedDecision | None:
+    """The decision in one line of local mode's output about one of ``models``, or None."""
+    text = line.strip()
+    known = set(models)
+    if text.startswith("{"):
+        return _from_json(text, known)
+    match = _LINE.match(text)
+    if match is None or match.group("model") not in known:
+        return None
+    return ParsedDecision(
+        match.group("model"), match.group("direction"), match.group("reason").strip(), match.group("window").strip()
+    )
