@@ -10,13 +10,28 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-# The project's tests and benchmarks read the shared trace relative to the project root.
-DEFAULT_TRACE_PATH = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
+# The whole hour, where the project is checked out beside ../shared (tests, benchmarks).
+SHARED_TRACE_PATH = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
+# Its first 15 minutes ship with the package, so that replays work from any install.
+BUNDLED_TRACE_PATH = Path(__file__).resolve().parent / "data" / "azure_llm_2023_conv_15min.csv"
+TRACE_ENV = "BATCHPILOT_TRACE"
+
+
+def _default_trace_path() -> Path:
+    chosen = os.environ.get(TRACE_ENV)
+    if chosen:
+        return Path(chosen)
+    return SHARED_TRACE_PATH if SHARED_TRACE_PATH.exists() else BUNDLED_TRACE_PATH
+
+
+# What a replay reads when given no trace: $BATCHPILOT_TRACE, else the shared hour, else the excerpt.
+DEFAULT_TRACE_PATH = _default_trace_path()
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 

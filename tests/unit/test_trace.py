@@ -3,7 +3,9 @@ from pathlib import Path
 import pytest
 
 from batchpilot_runtime.trace import (
+    BUNDLED_TRACE_PATH,
     DEFAULT_TRACE_PATH,
+    SHARED_TRACE_PATH,
     TraceError,
     TraceRequest,
     TraceScaling,
@@ -80,8 +82,18 @@ def test_rate_helpers() -> None:
     assert arrival_rate_series(trace, 1.0)[0] == (0.0, 2.0)
 
 
-@pytest.mark.skipif(not DEFAULT_TRACE_PATH.exists(), reason="shared trace not present")
+@pytest.mark.skipif(not SHARED_TRACE_PATH.exists(), reason="shared trace not present")
 def test_shared_trace_shape() -> None:
-    trace = read_trace()
+    trace = read_trace(SHARED_TRACE_PATH)
     assert len(trace) > 19_000
     assert 3400 < trace[-1].arrival_s < 3700
+
+
+def test_the_bundled_excerpt_is_the_first_quarter_hour() -> None:
+    trace = read_trace(BUNDLED_TRACE_PATH)
+    assert len(trace) > 4000
+    assert trace[-1].arrival_s < 15 * 60
+
+
+def test_default_trace_exists_in_any_checkout() -> None:
+    assert DEFAULT_TRACE_PATH.exists()
