@@ -57,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add(model, "--device", help="torch device (default: CUDA when available, else CPU)")
     _add(
         model,
+        "--threads",
+        type=_positive_int,
+        help="torch intra-op threads on CPU (default: torch's choice; 1 when several runtimes share a small host)",
+    )
+    _add(
+        model,
         "--kv-cache-tokens",
         type=_positive_int,
         help="KV-cache capacity in tokens (default: 65536 on CPU, 85%% of free memory on CUDA)",
@@ -149,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.seed,
         device=args.device,
+        threads=args.threads,
         ready_file=args.ready_file,
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,

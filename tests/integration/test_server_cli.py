@@ -49,6 +49,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
         "DRAIN_TIMEOUT_S": "9",
         "LOG_LEVEL": "debug",
         "DEVICE": "cpu",
+        "THREADS": "1",
     }
     for key, value in env.items():
         monkeypatch.setenv(f"BATCHPILOT_{key}", value)
@@ -64,6 +65,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
     assert [lane.name for lane in config.lanes] == ["critical"]
     assert config.drain_timeout_s == 9.0
     assert config.device == "cpu"
+    assert config.threads == 1
     # A flag on the command line wins over its variable.
     assert config_from_args(parse("--hard-cap", "6")).window.hard_cap == 6
 
@@ -102,6 +104,12 @@ def test_bad_settings_name_the_flag(argv: list[str], message: str) -> None:
 def test_cli_reports_bad_settings_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--target-batch-size", "32", "--hard-cap", "16"]) == 2
     assert "hardCap" in capsys.readouterr().err
+
+
+def test_threads_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--threads", "0")
+    assert "--threads" in capsys.readouterr().err
 
 
 def test_bad_number_in_an_environment_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,7 @@ class ServeConfig:
     max_prefill_tokens: int | None = None
     seed: int = 0
     device: str | None = None
+    threads: int | None = None  # torch intra-op threads; None: torch's choice
     ready_file: Path | None = None
     drain_timeout_s: float = 600.0
     log_level: str = "info"

@@ -84,8 +84,12 @@ def _url(host: str, sock: socket.socket) -> str:
 
 def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedModel:
     """Build the engine (torch; slow) and wrap it for the async server. Runs in a worker thread."""
+    import torch
+
     from batchpilot_runtime.engine import AsyncEngine, Engine
 
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     engine = Engine.build(
         model_name=config.model_name,
         window=config.window,
