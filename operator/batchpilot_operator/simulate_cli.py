@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from batchpilot_operator.sim_runner import default_spec, load_profile_spec, plot_runs, run_policy
     from batchpilot_runtime.cost_model import load_cost_model
-    from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceScaling, read_trace, scale_trace, time_scale_for_rate
+    from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, plan_replay, read_trace
 
     for name in ("time_scale", "token_scale", "rate", "duration"):
         value = getattr(args, name)
@@ -60,21 +60,16 @@ def _run(args: argparse.Namespace) -> int:
     spec = load_profile_spec(args.profile) if args.profile else default_spec()
     cost = load_cost_model(args.cost_profile)
     trace_path = args.trace or DEFAULT_TRACE_PATH
-    raw = read_trace(trace_path)
-    time_scale = args.time_scale or 1.0
-    if args.rate is not None:
-        time_scale = time_scale_for_rate(raw, args.rate)
-    scaling = TraceScaling(
-        time_scale=time_scale,
+    scaling, requests = plan_replay(
+        read_trace(trace_path),
+        time_scale=args.time_scale,
+        rate_per_s=args.rate,
         token_scale=args.token_scale,
         max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens,
         start_s=args.start,
         duration_s=args.duration,
     )
-    requests = scale_trace(raw, scaling)
-    if not requests:
-        raise ValueError("the trace slice is empty (check --start and --duration)")
     began = time.perf_counter()
     run = run_policy(args.policy, requests, spec, cost)
     elapsed_s = time.perf_counter() - began

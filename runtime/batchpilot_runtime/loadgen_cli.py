@@ -72,20 +72,16 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
     import asyncio
 
     from batchpilot_runtime.loadgen import Endpoint, run_load
-    from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceScaling, read_trace, scale_trace, time_scale_for_rate
+    from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, plan_replay, read_trace
 
     endpoints = [Endpoint.parse(spec) for spec in args.endpoint]
-    original = read_trace(args.trace or DEFAULT_TRACE_PATH)
     notes: dict[str, object] = {"trace": str(args.trace or DEFAULT_TRACE_PATH)}
-    time_scale = args.time_scale
     if args.rate is not None:
-        sliced = scale_trace(original, TraceScaling(start_s=args.start_s, duration_s=args.duration_s, limit=args.limit))
-        if not sliced:
-            raise ValueError("--start-s/--duration-s/--limit select no request of the trace")
-        time_scale = time_scale_for_rate(sliced, args.rate)
         notes["target_rate_per_s"] = args.rate
-    scaling = TraceScaling(
-        time_scale=time_scale,
+    scaling, requests = plan_replay(
+        read_trace(args.trace or DEFAULT_TRACE_PATH),
+        time_scale=args.time_scale,
+        rate_per_s=args.rate,
         token_scale=args.token_scale,
         max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens,
@@ -93,9 +89,6 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
         duration_s=args.duration_s,
         limit=args.limit,
     )
-    requests = scale_trace(original, scaling)
-    if not requests:
-        raise ValueError("--start-s/--duration-s/--limit select no request of the trace")
     summary = asyncio.run(
         run_load(
             endpoints,

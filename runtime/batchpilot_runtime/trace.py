@@ -190,3 +190,39 @@ def arrival_rate_series(requests: Iterable[TraceRequest], bin_s: float) -> list[
         counts[index] = counts.get(index, 0) + 1
         last = max(last, index)
     return [(i * bin_s, counts.get(i, 0) / bin_s) for i in range(last + 1)]
+
+
+def plan_replay(
+    requests: Sequence[TraceRequest],
+    *,
+    time_scale: float | None = None,
+    rate_per_s: float | None = None,
+    token_scale: float = 1.0,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    limit: int | None = None,
+) -> tuple[TraceScaling, list[TraceRequest]]:
+    """Slice and scale a trace for a replay; ``rate_per_s`` sets the time scale that gives the
+    *slice* that mean arrival rate (it wins over ``time_scale``). Raises ValueError when the
+    slice selects no request."""
+    time_scale = 1.0 if time_scale is None else time_scale
+    if rate_per_s is not None:
+        sliced = scale_trace(requests, TraceScaling(start_s=start_s, duration_s=duration_s, limit=limit))
+        if not sliced:
+            raise ValueError("the trace slice (start, duration, limit) selects no request")
+        time_scale = time_scale_for_rate(sliced, rate_per_s)
+    scaling = TraceScaling(
+        time_scale=time_scale,
+        token_scale=token_scale,
+        max_prompt_tokens=max_prompt_tokens,
+        max_output_tokens=max_output_tokens,
+        start_s=start_s,
+        duration_s=duration_s,
+        limit=limit,
+    )
+    scaled = scale_trace(requests, scaling)
+    if not scaled:
+        raise ValueError("the trace slice (start, duration, limit) selects no request")
+    return scaling, scaled

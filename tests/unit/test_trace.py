@@ -10,6 +10,7 @@ from batchpilot_runtime.trace import (
     TraceRequest,
     TraceScaling,
     arrival_rate_series,
+    plan_replay,
     read_trace,
     scale_trace,
     time_scale_for_rate,
@@ -97,3 +98,18 @@ def test_the_bundled_excerpt_is_the_first_quarter_hour() -> None:
 
 def test_default_trace_exists_in_any_checkout() -> None:
     assert DEFAULT_TRACE_PATH.exists()
+
+
+def test_plan_replay_sets_the_rate_of_the_slice_not_of_the_whole_trace() -> None:
+    # 1 req/s for the first 10 s, then 10 req/s: 20 req/s on the busy slice is about x2, not x20.
+    trace = [TraceRequest(float(i), 10, 2) for i in range(10)]
+    trace += [TraceRequest(10.0 + i / 10, 10, 2) for i in range(100)]
+    scaling, requests = plan_replay(trace, rate_per_s=20.0, start_s=10.0, token_scale=0.5)
+    assert scaling.time_scale == pytest.approx(20.0 / (100 / 9.9))  # 100 arrivals over 9.9 s
+    assert len(requests) == 100
+    assert requests[0].prompt_tokens == 5
+
+
+def test_plan_replay_refuses_an_empty_slice() -> None:
+    with pytest.raises(ValueError, match="selects no request"):
+        plan_replay([TraceRequest(0.0, 1, 1)], start_s=5.0)
