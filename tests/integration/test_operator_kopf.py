@@ -93,8 +93,13 @@ async def test_operator_reconciles_profiles_pods_and_failures(
         assert synced["observedGeneration"] == 1
         status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
         assert status["pods"] == {"total": 2, "ready": 1, "synced": 1, "summary": "1/1"}
-        metrics = condition(cluster, "chat", "MetricsAvailable")
-        assert metrics is not None and metrics["status"] == "False"
+        # The push on create can land before the first observation tick (MetricsAvailable
+        # is Unknown/Pending until then); the fake Prometheus has no series for the model.
+        await wait_for(
+            lambda: (c := condition(cluster, "chat", "MetricsAvailable")) and c["status"] == "False" and c,
+            30,
+            "MetricsAvailable=False",
+        )
 
         # 2. The second pod becomes Ready: it gets the window at once.
         await patch(api, "/api/v1/namespaces/ml/pods/chat-b/status",
