@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
             }
             for p in run.result.timeline
         ]
-        args.json.write_text(json.dumps(_jsonable(payload), indent=2))
+        args.json.write_text(json.dumps(json_safe(payload), indent=2))
     if args.plot:
         plot_runs(
             [run], spec.slo.p99_ms / 1000.0, args.plot, f"{args.policy} on {trace_path.name} ({scaling.describe()})"
@@ -114,13 +114,14 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _jsonable(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """The value with non-finite floats made JSON-safe (NaN -> null, inf -> \"inf\"), recursively."""
     if isinstance(value, float):
         return value if math.isfinite(value) else (None if math.isnan(value) else "inf")
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_jsonable(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 

@@ -47,6 +47,7 @@ from batchpilot_operator.sim_runner import (
     run_policy,
     slice_requests,
 )
+from batchpilot_operator.simulate_cli import json_safe
 from batchpilot_runtime.cost_model import CostModel, load_cost_model
 from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceRequest, TraceScaling, read_trace, scale_trace
 from batchpilot_runtime.window import Window
@@ -125,16 +126,6 @@ def grid_search(
         ],
     }
     return best, info
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else (None if math.isnan(value) else "inf")
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 JSON_FIELDS = (
@@ -255,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         "grid_search": grid_info,
         "wall_s": time.perf_counter() - began,
     }
-    text = json.dumps(_jsonable(report), indent=2)
+    text = json.dumps(json_safe(report), indent=2)
     if args.json:
         args.json.write_text(text)
     print(
         json.dumps(
-            _jsonable(
+            json_safe(
                 {
                     "policies": policies,
                     "ratios": report["ratios"],

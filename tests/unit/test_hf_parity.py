@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 
 from batchpilot_runtime.kv_cache import PagedKVCache
 from batchpilot_runtime.model import PRESETS, ForwardBatch, LlamaConfig, LlamaModel
+from tests.support.torch_fixtures import Seq, one_thread  # noqa: F401  (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # importing and instantiating transformers takes several seconds
@@ -37,22 +36,6 @@ CONFIGS = {
         tie_word_embeddings=True,
     ),
 }
-
-
-@dataclass(frozen=True)
-class Seq:
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    sample: bool = True
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def hf_logits(directory: Path, token_ids: list[int]) -> torch.Tensor:

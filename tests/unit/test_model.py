@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from batchpilot_runtime.kv_cache import PagedKVCache, bytes_per_token
 from batchpilot_runtime.model import PRESETS, ForwardBatch, LlamaConfig, LlamaModel, config_from_name
+from tests.support.torch_fixtures import Seq, one_thread  # noqa: F401  (autouse fixture)
 
 BLOCK = 16
-
-
-@dataclass(frozen=True)
-class Seq:
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    sample: bool = True
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # threaded BLAS on an oversubscribed 2-core machine is ~20x slower, not faster
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
