@@ -414,13 +414,8 @@ def decide(
             )
         zone = "under" if headroom else "near"
         return hold(f"{p99_text} {zone} {slo_text} (dead band); holding.", state)
-    if new_cap != cap:
-        direction: Direction = "up" if new_cap > cap else "down"
-    elif new_target != target:
-        direction = "up" if new_target > target else "down"
-    elif new_wait != wait:
-        direction = "up" if new_wait > wait else "down"
-    else:
+    direction = _direction(((target, new_target), (cap, new_cap), (wait, new_wait)), over)
+    if direction is None:
         direction = "up" if tail > window.tail_mark_ratio else "down"
     if over:
         lead = f"{p99_text} over {slo_text} ({'saturated' if saturated else f'{ratio:.2f}x the SLO'})"
@@ -440,6 +435,21 @@ def decide(
     return _change(
         window, new_target, new_cap, new_wait, tail, direction, f"{lead}: {actions}.", state, now_s, estimate
     )
+
+
+def _direction(moves: tuple[tuple[int, int], ...], over: bool) -> Direction | None:
+    """ "up" when the window only grows, "down" when it only shrinks; a mixed move (the cap raised
+    for a backlog while target and wait fall for latency) is named by what drives it: "down"
+    while P99 is over the SLO, "up" otherwise. None when no size or wait field moved."""
+    grew = any(new > old for old, new in moves)
+    shrank = any(new < old for old, new in moves)
+    if grew and shrank:
+        return "down" if over else "up"
+    if grew:
+        return "up"
+    if shrank:
+        return "down"
+    return None
 
 
 def _fillable_target(obs: Observations, wait_ms: int, config: PolicyConfig) -> float:

@@ -252,6 +252,22 @@ def test_backlog_raises_the_cap_even_over_the_slo() -> None:
     decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
     assert decision.window.hard_cap == 24
     assert "waiting" in decision.reason
+    # Target and wait fall for latency while the cap rises for the backlog: over the SLO that
+    # mixed move is a step down (an Event saying "up" while P99 misses would mislead).
+    assert decision.window.target_batch_size < WINDOW.target_batch_size
+    assert decision.direction == "down"
+
+
+def test_mixed_move_within_the_slo_is_named_up() -> None:
+    # P99 in the dead band, a backlog at the cap: the cap rises; a wait far above what the arrival
+    # rate needs falls. Within the SLO the move is driven by throughput, so it reads "up".
+    window = Window(target_batch_size=16, hard_cap=16, max_wait_ms=200, tail_mark_ratio=2.0, generation=3)
+    spec = make_spec(window={"targetBatchSize": 16, "hardCap": 16, "maxWaitMs": 200})
+    obs = make_obs(p99_s=0.8, mean_batch_size=15.0, queue_depth=40.0, arrival_rate_per_s=400.0)
+    decision = decide(spec, window, obs, PolicyState(), 100.0)
+    assert decision.window.hard_cap > window.hard_cap
+    assert decision.window.max_wait_ms < window.max_wait_ms
+    assert decision.direction == "up"
 
 
 def test_preemptions_lower_the_cap_and_set_a_ceiling() -> None:
