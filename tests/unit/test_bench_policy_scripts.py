@@ -1,0 +1,61 @@
+"""The policy benchmarks run end to end on a short slice and write figures that respect the bounds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.bench import bench_policy, bench_policy_loads
+
+pytestmark = pytest.mark.slow
+
+
+def seconds(value: float | str) -> float:
+    """A latency from the JSON, where an infinite one (a request that never finished) is "inf"."""
+    return float(value)
+
+
+def test_bench_policy_writes_every_field_and_checks_its_targets_against_the_bounds(tmp_path: Path) -> None:
+    out = tmp_path / "policy.json"
+    argv = ["--quick", "--duration", "300", "--screen-minutes", "2", "--finalists", "1", "--workers", "1"]
+    assert bench_policy.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["policies"]) == {"adaptive", "best_static", "aimd", "large_fixed"}
+    assert set(report["references"]) == {"start_static", "work_conserving"}
+    for figures in (*report["policies"].values(), *report["references"].values()):
+        assert set(bench_policy.JSON_FIELDS) <= set(figures)
+        # No policy serves more than was offered, nor beats each request's latency alone.
+        assert figures["goodput_tokens_per_s"] <= report["bounds"]["offered_tokens_per_s"] + 1e-9
+        assert seconds(figures["p99_s"]) >= report["bounds"]["p99_floor_s"] - 1e-9
+    bounds = report["bounds"]
+    best = report["policies"]["best_static"]["goodput_tokens_per_s"]
+    assert bounds["goodput_ceiling_over_best_static"] == pytest.approx(bounds["offered_tokens_per_s"] / best)
+    # A target beyond the ceiling cannot be reported as met.
+    if not bounds["goodput_1.3x_reachable"]:
+        assert report["targets_met"]["goodput_ge_1.3x_best_static"] is False
+    if not bounds["p99_0.3x_large_fixed_reachable"]:
+        assert report["targets_met"]["adaptive_p99_le_0.3x_large_fixed"] is False
+
+
+def test_bench_policy_loads_sweeps_every_load_and_policy(tmp_path: Path) -> None:
+    out = tmp_path / "loads.json"
+    argv = ["--loads", "0.3", "0.64", "--duration", "300", "--workers", "1", "--json", str(out)]
+    assert bench_policy_loads.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [row["load"] for row in report["loads"]] == [0.3, 0.64]
+    light, heavy = report["loads"]
+    assert heavy["offered_tokens_per_s"] > light["offered_tokens_per_s"]
+    for row in report["loads"]:
+        assert set(row["policies"]) == set(bench_policy_loads.POLICIES)
+        for figures in row["policies"].values():
+            assert figures["goodput_tokens_per_s"] <= row["offered_tokens_per_s"] + 1e-9
+            assert seconds(figures["p99_s"]) >= row["p99_floor_s"] - 1e-9
+            assert math.isfinite(figures["p50_s"])
+
+
+def test_bench_policy_loads_refuses_a_nonpositive_load() -> None:
+    with pytest.raises(SystemExit):
+        bench_policy_loads.main(["--loads", "0"])
