@@ -106,6 +106,7 @@ observations = st.builds(
     samples=st.one_of(st.just(NAN), st.floats(0, 1e5)),
     queue_depth=finite_or_nan,
     arrival_rate_per_s=finite_or_nan,
+    tokens_per_s=st.one_of(st.just(NAN), st.floats(0.0, 1e5)),
     mean_batch_size=st.one_of(st.just(NAN), st.floats(0.0, 600.0)),
     kv_usage_ratio=st.one_of(st.just(NAN), st.floats(0.0, 1.0)),
     preemptions_per_s=st.one_of(st.just(NAN), st.floats(0.0, 50.0)),
@@ -347,3 +348,34 @@ def test_histogram_quantile_matches_prometheus() -> None:
     assert histogram_quantile(0.99, bounds, [0, 0, 0, 5]) == 0.4  # +Inf bucket -> top finite bound
     with pytest.raises(ValueError, match="counts"):
         histogram_quantile(0.5, bounds, [1, 2])
+
+
+def test_a_busy_engine_gets_no_wait_and_a_target_its_batch_fills() -> None:
+    # 400 tokens/s from a running batch of 10: 40 decode steps/s of 20 ms, busy 80 % of the time.
+    # A held request would join a step that runs anyway: the wait goes, and the target comes down
+    # to what the running batch fills (else every admission would be a timer admission).
+    spec = make_spec(window={"targetBatchSize": 16, "hardCap": 64, "maxWaitMs": 5})
+    window = Window(target_batch_size=16, hard_cap=64, max_wait_ms=5, tail_mark_ratio=2.0, generation=3)
+    obs = make_obs(
+        p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=2.0, tokens_per_s=400.0, step_s_by_batch={16: 0.02}
+    )
+    # No confirmation needed: dropping a wait only shortens latency.
+    decision = decide(spec, window, obs, PolicyState(), 100.0)
+    assert decision.window.max_wait_ms == 0
+    assert decision.window.target_batch_size == 8  # half-way to 5 (half the batch), the step limit
+    assert decision.direction == "down"
+    assert "decodes 80% of the time" in decision.reason
+
+
+def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
+    # The same load shape at 20 tokens/s: the engine decodes 4 % of the time, so a wait lets
+    # arrivals share a prefill step; it follows the arrival rate up as before.
+    spec = make_spec(window={"targetBatchSize": 4, "hardCap": 64, "maxWaitMs": 5})
+    window = Window(target_batch_size=4, hard_cap=64, max_wait_ms=5, tail_mark_ratio=2.0, generation=3)
+    obs = make_obs(
+        p99_s=0.2, mean_batch_size=2.0, arrival_rate_per_s=20.0, tokens_per_s=20.0, step_s_by_batch={2: 0.004}
+    )
+    decision = decide(spec, window, obs, PolicyState(), 100.0)
+    assert decision.window.max_wait_ms > window.max_wait_ms
+    assert decision.direction == "up"
+    assert "the time arrivals take to fill the target" in decision.reason
