@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from batchpilot_operator.demo.settings import DEFAULT_DURATION_S, DURATION_ENV
+from batchpilot_operator.extras import require_extra
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -81,6 +82,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from batchpilot_operator.demo.run import run_demo
     from batchpilot_operator.demo.settings import DemoSettings, duration_from_env
 
+    # Checked before any child starts: the runtimes need torch, the report matplotlib.
+    require_extra("torch", "runtime", "the demo")
+    require_extra("matplotlib", "report", "the demo's report")
     duration_s = args.duration if args.duration is not None else duration_from_env()
     settings = DemoSettings(
         duration_s=duration_s,

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchpilot_operator.extras import require_extra
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -53,6 +55,8 @@ def _run(args: argparse.Namespace) -> int:
     from batchpilot_runtime.cost_model import load_cost_model
     from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, plan_replay, read_trace
 
+    if args.plot:
+        require_extra("matplotlib", "report", "simulate --plot")
     for name in ("time_scale", "token_scale", "rate", "duration"):
         value = getattr(args, name)
         if value is not None and not value > 0:

@@ -80,3 +80,12 @@ def test_runtime_metrics_lists_the_contract(capsys) -> None:  # type: ignore[no-
     assert runtime_cli.main(["metrics"]) == 0
     out = capsys.readouterr().out
     assert "batchpilot_queue_wait_seconds" in out
+
+
+def test_a_feature_without_its_extra_names_the_extra_to_install() -> None:
+    from batchpilot_operator.extras import MissingExtraError, require_extra
+
+    with pytest.raises(MissingExtraError, match=r"pip install 'batchpilot\[report\]'") as caught:
+        require_extra("batchpilot_no_such_module", "report", "simulate --plot")
+    assert "simulate --plot" in str(caught.value)
+    require_extra("json", "report", "anything")  # present: no error

@@ -35,7 +35,8 @@ BLOCKER = textwrap.dedent(
     """
 )
 
-OPERATOR_FORBIDDEN = "torch,transformers,fastapi,uvicorn,starlette,safetensors"
+# matplotlib is the optional `report` extra: no operator module may need it at import time.
+OPERATOR_FORBIDDEN = "torch,transformers,fastapi,uvicorn,starlette,safetensors,matplotlib"
 RUNTIME_FORBIDDEN = "kopf,kubernetes,prometheus_api_client,kmock"
 CONTRACT_FORBIDDEN = "torch,fastapi,uvicorn,starlette,kopf,kubernetes"
 CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.window,batchpilot_runtime.admin_api,batchpilot_runtime.metric_names,batchpilot_runtime.trace"
