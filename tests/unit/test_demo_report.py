@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from batchpilot_operator.demo.children import threads_per_runtime
 from batchpilot_operator.demo.decisions import ParsedDecision, parse_decision_line
 from batchpilot_operator.demo.report import render_html, write_report
 from batchpilot_operator.demo.results import (
@@ -410,3 +411,8 @@ def test_bad_durations_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None
         duration_from_env()
     monkeypatch.setenv("BATCHPILOT_DEMO_DURATION", "90")
     assert duration_from_env() == 90.0
+
+
+@pytest.mark.parametrize(("runtimes", "cpus", "threads"), [(2, 2, 1), (2, 16, 8), (3, 2, 1), (1, None, 1), (0, 4, 4)])
+def test_runtimes_never_share_more_threads_than_cores(runtimes: int, cpus: int | None, threads: int) -> None:
+    assert threads_per_runtime(runtimes, cpus) == threads

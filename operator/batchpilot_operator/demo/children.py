@@ -174,6 +174,15 @@ class RuntimeEndpoint:
         return f"model={self.model},url={self.serve_url},admin={self.admin_url},token-file={self.token_file}"
 
 
+def threads_per_runtime(runtimes: int, cpus: int | None) -> int:
+    """torch threads for each of ``runtimes`` processes sharing ``cpus`` cores (None: unknown).
+
+    More threads than cores between them oversubscribes OpenMP: on a 2-core host two runtimes at
+    2 threads each made steps up to 30x slower than at 1.
+    """
+    return max(1, (cpus or 1) // max(1, runtimes))
+
+
 def runtime_command(
     *,
     model: str,
@@ -183,6 +192,7 @@ def runtime_command(
     token_file: Path,
     ready_file: Path,
     seed: int,
+    threads: int,
 ) -> list[str]:
     return [
         sys.executable,
@@ -207,6 +217,8 @@ def runtime_command(
         str(kv_cache_tokens),
         "--seed",
         str(seed),
+        "--threads",
+        str(threads),
         "--log-level",
         "warning",
         *window_flags,

@@ -40,6 +40,7 @@ from batchpilot_operator.demo.children import (
     prometheus_has_scraped,
     runtime_command,
     start_runtime,
+    threads_per_runtime,
     wait_until,
 )
 from batchpilot_operator.demo.collector import Collector
@@ -153,6 +154,7 @@ class Demo:
                 token_file=token_file,
                 ready_file=ready_file,
                 seed=self.settings.seed,
+                threads=threads_per_runtime(len(self.models), os.cpu_count()),
             )
             child = self._child(f"runtime {model.name} (preset {model.preset})", argv, f"runtime-{model.name}.log")
             endpoint = await start_runtime(child, ready_file, self.settings.ready_timeout_s)
