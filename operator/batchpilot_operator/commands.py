@@ -34,6 +34,8 @@ def _register_local(subparsers: Any) -> None:
     parser.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
     parser.add_argument("--status-file", type=Path, help="write every profile's status here (JSON) after each tick")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve the operator's /metrics here (0: off)")
+    parser.add_argument("--output", choices=("text", "json"), default="text",
+                        help="decisions as text lines, or one JSON object per line (for programs)")  # fmt: skip
     parser.set_defaults(handler=_cmd_local)
 
 

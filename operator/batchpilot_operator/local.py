@@ -104,14 +104,37 @@ def _now() -> str:
     return time.strftime("%H:%M:%S")
 
 
-def print_decision(out: TextIO) -> Any:
+def print_decision(out: TextIO, output: str = "text") -> Any:
+    """A decision callback writing one line per decision: text for people, or a JSON object
+    (``time``, ``profile``, ``model``, ``mode``, ``direction``, ``window``, ``reason``)."""
+
     def on_decision(record: ProfileRecord, decision: policy_mod.Decision) -> None:
         mode = record.spec.tuning.mode.value if record.spec else "?"
         direction = decision.direction if mode != "recommend" or not decision.changed else "recommend"
-        out.write(
-            f"{_now()} {record.ref.key} model={record.model} mode={mode} {direction}: "
-            f"{decision.window.describe()} - {decision.reason}\n"
-        )
+        if output == "json":
+            window = decision.window
+            line = json.dumps(
+                {
+                    "time": _now(),
+                    "profile": record.ref.key,
+                    "model": record.model,
+                    "mode": mode,
+                    "direction": direction,
+                    "window": {
+                        "targetBatchSize": window.target_batch_size,
+                        "hardCap": window.hard_cap,
+                        "maxWaitMs": window.max_wait_ms,
+                        "tailMarkRatio": window.tail_mark_ratio,
+                    },
+                    "reason": decision.reason,
+                }
+            )
+        else:
+            line = (
+                f"{_now()} {record.ref.key} model={record.model} mode={mode} {direction}: "
+                f"{decision.window.describe()} - {decision.reason}"
+            )
+        out.write(line + "\n")
         out.flush()
 
     return on_decision
@@ -127,6 +150,7 @@ async def run_local(
     duration_s: float | None = None,
     status_file: Path | None = None,
     metrics_port: int = 0,
+    output: str = "text",
     out: TextIO = sys.stdout,
 ) -> int:
     loaded = load_profiles(profiles_path)
@@ -154,7 +178,7 @@ async def run_local(
         sink,
         metrics=metrics,
         match_by_model=True,
-        on_decision=print_decision(out),
+        on_decision=print_decision(out, output),
     )
     for runtime in runtimes:
         controller.upsert_pod(
@@ -220,5 +244,6 @@ def cmd_local(args: Any) -> int:
             duration_s=args.duration,
             status_file=args.status_file,
             metrics_port=args.metrics_port,
+            output=args.output,
         )
     )

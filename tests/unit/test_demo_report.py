@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import io
 import json
 import math
 from html.parser import HTMLParser
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from batchpilot_operator.controller import ProfileRecord, ProfileRef
 from batchpilot_operator.demo.children import threads_per_runtime
 from batchpilot_operator.demo.decisions import ParsedDecision, parse_decision_line
 from batchpilot_operator.demo.report import render_html, write_report
@@ -34,8 +36,11 @@ from batchpilot_operator.demo.series import (
     summarize_model_phase,
 )
 from batchpilot_operator.demo.settings import DemoSettings, default_models, duration_from_env, plan_arrivals
+from batchpilot_operator.local import print_decision
+from batchpilot_operator.policy import Decision, PolicyState
 from batchpilot_operator.profile import parse_manifest
 from batchpilot_runtime.loadgen import OUTCOMES, summarize
+from batchpilot_runtime.window import Window
 
 BOUNDS_S = [0.01, 0.05, 0.1, 0.5, 1.0]
 BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0]
@@ -416,3 +421,22 @@ def test_bad_durations_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize(("runtimes", "cpus", "threads"), [(2, 2, 1), (2, 16, 8), (3, 2, 1), (1, None, 1), (0, 4, 4)])
 def test_runtimes_never_share_more_threads_than_cores(runtimes: int, cpus: int | None, threads: int) -> None:
     assert threads_per_runtime(runtimes, cpus) == threads
+
+
+@pytest.mark.parametrize("output", ["text", "json"])
+def test_local_mode_decision_lines_parse_back_in_both_outputs(output: str) -> None:
+    model = default_models()[0]
+    _, name, spec = parse_manifest(model.profile_manifest("adaptive"))
+    record = ProfileRecord(ref=ProfileRef("demo", name), generation=1, spec=spec, error=None)
+    window = Window(target_batch_size=14, hard_cap=16, max_wait_ms=200, tail_mark_ratio=2.5, generation=2)
+    reason = "P99 587 ms over SLO 500 ms (1.17x the SLO): lowering wait and target."
+    out = io.StringIO()
+    print_decision(out, output)(record, Decision(window, "down", reason, PolicyState()))
+    (line,) = out.getvalue().splitlines()
+    if output == "json":
+        assert json.loads(line)["window"]["maxWaitMs"] == 200
+    parsed = parse_decision_line(line, [model.name])
+    assert parsed is not None
+    assert (parsed.model, parsed.direction, parsed.reason) == (model.name, "down", reason)
+    assert parsed.window is not None
+    assert parsed.window.startswith("target=14 cap=16 wait=200ms tail=2.5x")

@@ -1,12 +1,13 @@
 """Read the operator's decisions from what ``batchpilot-operator local`` prints.
 
-Local mode prints one line per decision (see ``batchpilot_operator.local.print_decision``)::
+Local mode prints one line per decision (see ``batchpilot_operator.local.print_decision``); the
+demo runs it with ``--output json``, one JSON object per line with the keys ``model``,
+``direction``, ``reason`` and ``window`` (a mapping). The text form is read too::
 
     HH:MM:SS NAMESPACE/NAME model=MODEL mode=MODE DIRECTION: WINDOW - REASON
 
-with WINDOW in :meth:`Window.describe`'s form. A JSON object per line with the keys
-``model``, ``direction``, ``reason`` and ``window`` is read too. Every other line (start-up
-messages, events such as push failures) is not a decision.
+with WINDOW in :meth:`Window.describe`'s form. Every other line (start-up messages, events
+such as push failures) is not a decision.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def _from_json(line: str, models: set[str]) -> ParsedDecision | None:
         return None
     window = data.get("window")
     if isinstance(window, dict):
-        window = " ".join(f"{k}={v}" for k, v in window.items())
+        # The same words as the text form (Window.describe), so the report reads one way.
+        names = {"targetBatchSize": "target", "hardCap": "cap", "maxWaitMs": "wait", "tailMarkRatio": "tail"}
+        units = {"maxWaitMs": "ms", "tailMarkRatio": "x"}
+        window = " ".join(f"{names.get(k, k)}={v:g}{units.get(k, '')}" if isinstance(v, int | float) else f"{k}={v}"
+                          for k, v in window.items())  # fmt: skip
     return ParsedDecision(str(model), str(direction), str(data.get("reason", "")), str(window) if window else None)
 
 

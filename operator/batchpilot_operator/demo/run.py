@@ -299,7 +299,16 @@ class Demo:
         return phase
 
     def _operator_command(self, profiles: Path) -> list[str]:
-        argv = [sys.executable, "-m", "batchpilot_operator.cli", "local", "--profiles", str(profiles)]
+        argv = [
+            sys.executable,
+            "-m",
+            "batchpilot_operator.cli",
+            "local",
+            "--profiles",
+            str(profiles),
+            "--output",
+            "json",
+        ]
         # The profile's interval, and Prometheus's real scrape interval: the operator's rate window
         # is the larger of the interval and four scrapes.
         argv += ["--interval", str(OPERATOR_INTERVAL_S), "--scrape-interval", str(SCRAPE_INTERVAL_S)]
