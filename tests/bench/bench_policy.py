@@ -17,8 +17,9 @@ The grid is searched in two stages, to fit the time budget on two CPU cores:
 ``--quick`` uses a coarser grid (targets 1, 4, 16, 64, 256; caps 1x, 2x; waits 0, 20, 100 ms),
 a 20-minute span and a 5-minute screening stretch, and finishes in under 3 minutes.
 
-Beside the four policies the JSON carries two ``references`` (the profile's starting window held
-static, and work-conserving admission: target 1, the largest cap, no wait), the best static
+Beside the four policies the JSON carries three ``references`` (the profile's starting window held
+static; work-conserving admission: target 1, the largest cap, no wait; the same on a KV cache that
+holds the whole replay), the best static
 window's ``saturation`` at the peaks, and ``bounds``: the goodput ceiling (every offered token
 served within the SLO) and the P99 floor (each request alone on an idle engine), which say
 whether the two relative targets are within reach of any policy at all.
@@ -32,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -256,21 +258,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {walls[name]:.1f} s", flush=True)
     # References beside the four policies: the window the profile starts from, held static (what
     # a user gets without tuning), and work-conserving admission (target 1, the largest cap, no
-    # wait: no window holds any request back; only the KV cache limits admissions).
+    # wait: no window holds any request back; only the KV cache limits admissions), also on a KV
+    # cache that holds the whole replay at once (what is left of P99 there is step sharing).
+    open_window = Window(
+        target_batch_size=1,
+        hard_cap=spec.tuning.bounds.hard_cap.max,
+        max_wait_ms=0,
+        tail_mark_ratio=spec.window.tail_mark_ratio,
+    )
+    whole_replay_tokens = sum(r.prompt_tokens + r.output_tokens for r in requests)
+    unlimited_kv = dataclasses.replace(cost, kv_capacity_tokens=max(cost.kv_capacity_tokens or 0, whole_replay_tokens))
     references: dict[str, PolicyRun] = {
         "start_static": run_policy("static", requests, spec, cost),
-        "work_conserving": run_policy(
-            "static",
-            requests,
-            spec,
-            cost,
-            window=Window(
-                target_batch_size=1,
-                hard_cap=spec.tuning.bounds.hard_cap.max,
-                max_wait_ms=0,
-                tail_mark_ratio=spec.window.tail_mark_ratio,
-            ),
-        ),
+        "work_conserving": run_policy("static", requests, spec, cost, window=open_window),
+        "work_conserving_unlimited_kv": run_policy("static", requests, spec, unlimited_kv, window=open_window),
     }
     t0 = time.perf_counter()
     windows = grid_windows(targets, factors, waits)

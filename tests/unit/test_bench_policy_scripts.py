@@ -24,7 +24,7 @@ def test_bench_policy_writes_every_field_and_checks_its_targets_against_the_boun
     assert bench_policy.main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["policies"]) == {"adaptive", "best_static", "aimd", "large_fixed"}
-    assert set(report["references"]) == {"start_static", "work_conserving"}
+    assert set(report["references"]) == {"start_static", "work_conserving", "work_conserving_unlimited_kv"}
     for figures in (*report["policies"].values(), *report["references"].values()):
         assert set(bench_policy.JSON_FIELDS) <= set(figures)
         # No policy serves more than was offered, nor beats each request's latency alone.
