@@ -428,7 +428,13 @@ def decide(
                 bounds.max_wait_ms.min,
                 bounds.max_wait_ms.max,
             )
-        target_why = "raising target and wait as far as arrivals fill them"
+        # Say what moved: with a larger target the fill time can still ask for a shorter wait.
+        moved = [
+            f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
+            for name, old, new, unit in (("target", target, new_target, ""), ("wait", wait, new_wait, " ms"))
+            if new != old
+        ]
+        target_why = f"{' and '.join(moved)}, as far as arrivals fill them"
     else:
         # Dead band: only a wait far from what the arrival rate needs is moved.
         want = desired_wait_ms(spec, target, obs, config)

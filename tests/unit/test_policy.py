@@ -379,3 +379,18 @@ def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
     assert decision.window.max_wait_ms > window.max_wait_ms
     assert decision.direction == "up"
     assert "the time arrivals take to fill the target" in decision.reason
+
+
+def test_the_reason_names_what_moved_and_which_way() -> None:
+    # Confirmed headroom: the target rises to 12 (the step limit; half the batch of 10 plus a third
+    # of the 30 arrivals in 100 ms would fill 15), and at 300 arrivals/s the gap of 2 over the batch
+    # fills in 10 ms, so the wait falls: the reason must say both, each with its direction.
+    spec = make_spec(window={"hardCap": 128, "maxWaitMs": 100})
+    window = Window(target_batch_size=8, hard_cap=128, max_wait_ms=100)
+    obs = make_obs(p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=300.0)
+    first = decide(spec, window, obs, PolicyState(), 100.0)
+    decision = decide(spec, window, obs, first.state, 115.0)
+    assert decision.window.target_batch_size > window.target_batch_size
+    assert decision.window.max_wait_ms < window.max_wait_ms
+    assert f"raising the target to {decision.window.target_batch_size}" in decision.reason
+    assert f"lowering the wait to {decision.window.max_wait_ms} ms" in decision.reason
