@@ -144,9 +144,6 @@ def start_runtime_process(
     ]
     if "--preset" not in args and "--checkpoint" not in args:
         command += ["--preset", "tiny"]
-    if "--threads" not in args:
-        # Tests run several runtimes beside pytest on small hosts: one torch thread each.
-        command += ["--threads", "1"]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
