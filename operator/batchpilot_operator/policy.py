@@ -44,7 +44,9 @@ sure), and left alone when the running batch already exceeds the target (then ev
 arrival is admitted at once and the wait never fires). The tail-mark ratio stays at
 2.0 unless more than a fifth of admissions get marked (marking too early marks
 everyone): then it rises by 0.25, and drifts back when marking becomes rare; it only
-moves together with another field, never as a decision of its own.
+moves together with another field, never as a decision of its own, and not
+at all when the new window has no wait (every queued request is then admitted
+at the next step with room, oldest first, so marking changes nothing).
 
 A wait only pays while the engine would otherwise idle. Under continuous batching
 a request held back while sequences decode joins a step that runs anyway: it saves
@@ -256,13 +258,18 @@ def step_time_s(obs: Observations) -> float:
 
 
 def _tail_ratio(
-    window: Window, obs: Observations, fraction: float, bounds: WindowBounds, config: PolicyConfig
+    window: Window, new_wait: int, obs: Observations, fraction: float, bounds: WindowBounds, config: PolicyConfig
 ) -> float:
     """Raise the ratio when marking catches too many (marking too early marks everyone); drift back
-    towards the default when marking is rare again."""
+    towards the default when marking is rare again.
+
+    Left alone with no wait: every queued request is then admitted at the next step that has room,
+    oldest first, so marking changes nothing, and the share it reports only measures step length
+    (the rolling P50 wait is half a step; at load x0.64 it drove the ratio to its bound).
+    """
     current = window.tail_mark_ratio
     share = obs.tail_marked_share
-    if not known(share):
+    if not known(share) or new_wait == 0:
         return current
     if share > config.tail_share_high:
         desired = current + 0.25
@@ -462,7 +469,7 @@ def decide(
     # (and a push) for a second-order knob.
     tail = window.tail_mark_ratio
     if (new_target, new_cap, new_wait) != (target, cap, wait):
-        tail = _tail_ratio(window, obs, fraction, bounds, config)
+        tail = _tail_ratio(window, new_wait, obs, fraction, bounds, config)
 
     if (new_target, new_cap, new_wait, tail) == (target, cap, wait, window.tail_mark_ratio):
         if over:

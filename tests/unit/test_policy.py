@@ -341,6 +341,16 @@ def test_tail_ratio_rises_when_marking_catches_everyone() -> None:
     assert decision.window.tail_mark_ratio == pytest.approx(2.25)
 
 
+def test_tail_ratio_stays_when_the_new_window_has_no_wait() -> None:
+    # Over the SLO on a busy engine the 5 ms wait falls to 0: every queued request is then admitted
+    # at the next step with room, oldest first, so a high marked share says nothing about the ratio.
+    window = WINDOW.model_copy(update={"max_wait_ms": 5})
+    obs = make_obs(p99_s=2.0, tail_marked_share=0.5, tokens_per_s=400.0, step_s_by_batch={8: 0.02})
+    decision = decide(make_spec(window={"maxWaitMs": 5}), window, obs, PolicyState(), 100.0)
+    assert decision.window.max_wait_ms == 0
+    assert decision.window.tail_mark_ratio == window.tail_mark_ratio
+
+
 def test_histogram_quantile_matches_prometheus() -> None:
     bounds = (0.1, 0.2, 0.4)
     assert math.isnan(histogram_quantile(0.99, bounds, [0, 0, 0, 0]))
