@@ -112,7 +112,6 @@ def print_decision(out: TextIO, output: str = "text") -> Any:
         mode = record.spec.tuning.mode.value if record.spec else "?"
         direction = decision.direction if mode != "recommend" or not decision.changed else "recommend"
         if output == "json":
-            window = decision.window
             line = json.dumps(
                 {
                     "time": _now(),
@@ -120,12 +119,7 @@ def print_decision(out: TextIO, output: str = "text") -> Any:
                     "model": record.model,
                     "mode": mode,
                     "direction": direction,
-                    "window": {
-                        "targetBatchSize": window.target_batch_size,
-                        "hardCap": window.hard_cap,
-                        "maxWaitMs": window.max_wait_ms,
-                        "tailMarkRatio": window.tail_mark_ratio,
-                    },
+                    "window": decision.window.model_dump(mode="json", by_alias=True),
                     "reason": decision.reason,
                 }
             )

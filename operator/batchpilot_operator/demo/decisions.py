@@ -2,7 +2,7 @@
 
 Local mode prints one line per decision (see ``batchpilot_operator.local.print_decision``); the
 demo runs it with ``--output json``, one JSON object per line with the keys ``model``,
-``direction``, ``reason`` and ``window`` (a mapping). The text form is read too::
+``direction``, ``reason`` and ``window`` (the window's wire form). The text form is read too::
 
     HH:MM:SS NAMESPACE/NAME model=MODEL mode=MODE DIRECTION: WINDOW - REASON
 
@@ -16,6 +16,10 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from batchpilot_runtime.window import Window
 
 DIRECTIONS = ("up", "down", "hold", "reset", "recommend")
 _LINE = re.compile(
@@ -44,11 +48,11 @@ def _from_json(line: str, models: set[str]) -> ParsedDecision | None:
         return None
     window = data.get("window")
     if isinstance(window, dict):
-        # The same words as the text form (Window.describe), so the report reads one way.
-        names = {"targetBatchSize": "target", "hardCap": "cap", "maxWaitMs": "wait", "tailMarkRatio": "tail"}
-        units = {"maxWaitMs": "ms", "tailMarkRatio": "x"}
-        window = " ".join(f"{names.get(k, k)}={v:g}{units.get(k, '')}" if isinstance(v, int | float) else f"{k}={v}"
-                          for k, v in window.items())  # fmt: skip
+        # Described as the text form describes it (Window.describe), so the report reads one way.
+        try:
+            window = Window.model_validate(window).describe()
+        except ValidationError:
+            window = " ".join(f"{k}={v}" for k, v in window.items())
     return ParsedDecision(str(model), str(direction), str(data.get("reason", "")), str(window) if window else None)
 
 
