@@ -73,6 +73,17 @@ def make_controller(policy: str, spec: BatchProfileSpec) -> Controller:
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
 
 
+def work_conserving_window(spec: BatchProfileSpec) -> Window:
+    """Target 1, the largest cap the bounds allow, no wait: a window that holds no request back,
+    so that only the KV cache limits admissions (the benchmarks' reference)."""
+    return Window(
+        target_batch_size=1,
+        hard_cap=spec.tuning.bounds.hard_cap.max,
+        max_wait_ms=0,
+        tail_mark_ratio=spec.window.tail_mark_ratio,
+    )
+
+
 def start_window(policy: str, spec: BatchProfileSpec) -> Window:
     if policy == "large_fixed":
         return LARGE_FIXED_WINDOW

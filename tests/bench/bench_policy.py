@@ -56,6 +56,7 @@ from batchpilot_operator.sim_runner import (
     plot_runs,
     run_policy,
     slice_requests,
+    work_conserving_window,
 )
 from batchpilot_operator.simulate_cli import json_safe
 from batchpilot_runtime.cost_model import CostModel, load_cost_model
@@ -260,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     # a user gets without tuning), and work-conserving admission (target 1, the largest cap, no
     # wait: no window holds any request back; only the KV cache limits admissions), also on a KV
     # cache that holds the whole replay at once (what is left of P99 there is step sharing).
-    open_window = Window(
-        target_batch_size=1,
-        hard_cap=spec.tuning.bounds.hard_cap.max,
-        max_wait_ms=0,
-        tail_mark_ratio=spec.window.tail_mark_ratio,
-    )
+    open_window = work_conserving_window(spec)
     whole_replay_tokens = sum(r.prompt_tokens + r.output_tokens for r in requests)
     unlimited_kv = dataclasses.replace(cost, kv_capacity_tokens=max(cost.kv_capacity_tokens or 0, whole_replay_tokens))
     references: dict[str, PolicyRun] = {

@@ -33,11 +33,16 @@ from typing import Any
 
 from batchpilot_operator.profile import BatchProfileSpec, LatencyMetric
 from batchpilot_operator.sim_bounds import latency_floor_quantile_s, offered_tokens_per_s
-from batchpilot_operator.sim_runner import busiest_span, default_spec, load_profile_spec, run_policy
+from batchpilot_operator.sim_runner import (
+    busiest_span,
+    default_spec,
+    load_profile_spec,
+    run_policy,
+    work_conserving_window,
+)
 from batchpilot_operator.simulate_cli import json_safe
 from batchpilot_runtime.cost_model import CostModel, load_cost_model
 from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceRequest, TraceScaling, read_trace, scale_trace
-from batchpilot_runtime.window import Window
 
 DEFAULT_LOADS = (0.3, 0.4, 0.5, 0.55, 0.6, 0.62, 0.64, 0.66, 0.7)
 POLICIES = ("adaptive", "start_static", "work_conserving", "large_fixed")
@@ -47,12 +52,7 @@ FIELDS = ("goodput_tokens_per_s", "p50_s", "p99_s", "share_wait_over_1s", "slo_m
 def _run(args: tuple[str, float, list[TraceRequest], BatchProfileSpec, CostModel]) -> tuple[str, float, dict[str, Any]]:
     policy, load, requests, spec, cost = args
     if policy == "work_conserving":
-        window = Window(
-            target_batch_size=1,
-            hard_cap=spec.tuning.bounds.hard_cap.max,
-            max_wait_ms=0,
-            tail_mark_ratio=spec.window.tail_mark_ratio,
-        )
+        window = work_conserving_window(spec)
         run = run_policy("static", requests, spec, cost, window=window, record_timeline=False)
     elif policy == "start_static":
         run = run_policy("static", requests, spec, cost, record_timeline=False)
