@@ -60,6 +60,12 @@ def make_obs(p99_s: float = 0.5, **others: Any) -> Observations:
 WINDOW = Window(target_batch_size=8, hard_cap=16, max_wait_ms=20, tail_mark_ratio=2.0, generation=3)
 
 
+def starting_at(target: int, cap: int, wait: int) -> tuple[BatchProfileSpec, Window]:
+    """A spec whose starting window is target/cap/wait, and that window in force."""
+    spec = make_spec(window={"targetBatchSize": target, "hardCap": cap, "maxWaitMs": wait})
+    return spec, Window.from_fields(spec.window, generation=3)
+
+
 # ---- strategies ------------------------------------------------------------
 
 
@@ -262,8 +268,7 @@ def test_backlog_raises_the_cap_even_over_the_slo() -> None:
 def test_mixed_move_within_the_slo_is_named_up() -> None:
     # P99 in the dead band, a backlog at the cap: the cap rises; a wait far above what the arrival
     # rate needs falls. Within the SLO the move is driven by throughput, so it reads "up".
-    window = Window(target_batch_size=16, hard_cap=16, max_wait_ms=200, tail_mark_ratio=2.0, generation=3)
-    spec = make_spec(window={"targetBatchSize": 16, "hardCap": 16, "maxWaitMs": 200})
+    spec, window = starting_at(16, 16, 200)
     obs = make_obs(p99_s=0.8, mean_batch_size=15.0, queue_depth=40.0, arrival_rate_per_s=400.0)
     decision = decide(spec, window, obs, PolicyState(), 100.0)
     assert decision.window.hard_cap > window.hard_cap
@@ -344,9 +349,9 @@ def test_tail_ratio_rises_when_marking_catches_everyone() -> None:
 def test_tail_ratio_stays_when_the_new_window_has_no_wait() -> None:
     # Over the SLO on a busy engine the 5 ms wait falls to 0: every queued request is then admitted
     # at the next step with room, oldest first, so a high marked share says nothing about the ratio.
-    window = WINDOW.model_copy(update={"max_wait_ms": 5})
+    spec, window = starting_at(8, 16, 5)
     obs = make_obs(p99_s=2.0, tail_marked_share=0.5, tokens_per_s=400.0, step_s_by_batch={8: 0.02})
-    decision = decide(make_spec(window={"maxWaitMs": 5}), window, obs, PolicyState(), 100.0)
+    decision = decide(spec, window, obs, PolicyState(), 100.0)
     assert decision.window.max_wait_ms == 0
     assert decision.window.tail_mark_ratio == window.tail_mark_ratio
 
@@ -364,8 +369,7 @@ def test_a_busy_engine_gets_no_wait_and_a_target_its_batch_fills() -> None:
     # 400 tokens/s from a running batch of 10: 40 decode steps/s of 20 ms, busy 80 % of the time.
     # A held request would join a step that runs anyway: the wait goes, and the target comes down
     # to what the running batch fills (else every admission would be a timer admission).
-    spec = make_spec(window={"targetBatchSize": 16, "hardCap": 64, "maxWaitMs": 5})
-    window = Window(target_batch_size=16, hard_cap=64, max_wait_ms=5, tail_mark_ratio=2.0, generation=3)
+    spec, window = starting_at(16, 64, 5)
     obs = make_obs(
         p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=2.0, tokens_per_s=400.0, step_s_by_batch={16: 0.02}
     )
@@ -380,8 +384,7 @@ def test_a_busy_engine_gets_no_wait_and_a_target_its_batch_fills() -> None:
 def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
     # The same load shape at 20 tokens/s: the engine decodes 4 % of the time, so a wait lets
     # arrivals share a prefill step; it follows the arrival rate up as before.
-    spec = make_spec(window={"targetBatchSize": 4, "hardCap": 64, "maxWaitMs": 5})
-    window = Window(target_batch_size=4, hard_cap=64, max_wait_ms=5, tail_mark_ratio=2.0, generation=3)
+    spec, window = starting_at(4, 64, 5)
     obs = make_obs(
         p99_s=0.2, mean_batch_size=2.0, arrival_rate_per_s=20.0, tokens_per_s=20.0, step_s_by_batch={2: 0.004}
     )
@@ -395,8 +398,7 @@ def test_the_reason_names_what_moved_and_which_way() -> None:
     # Confirmed headroom: the target rises to 12 (the step limit; half the batch of 10 plus a third
     # of the 30 arrivals in 100 ms would fill 15), and at 300 arrivals/s the gap of 2 over the batch
     # fills in 10 ms, so the wait falls: the reason must say both, each with its direction.
-    spec = make_spec(window={"hardCap": 128, "maxWaitMs": 100})
-    window = Window(target_batch_size=8, hard_cap=128, max_wait_ms=100)
+    spec, window = starting_at(8, 128, 100)
     obs = make_obs(p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=300.0)
     first = decide(spec, window, obs, PolicyState(), 100.0)
     decision = decide(spec, window, obs, first.state, 115.0)
