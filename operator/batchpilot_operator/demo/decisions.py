@@ -48,12 +48,17 @@ def _from_json(line: str, models: set[str]) -> ParsedDecision | None:
         return None
     window = data.get("window")
     if isinstance(window, dict):
-        # Described as the text form describes it (Window.describe), so the report reads one way.
-        try:
-            window = Window.model_validate(window).describe()
-        except ValidationError:
-            window = " ".join(f"{k}={v}" for k, v in window.items())
+        window = _describe(window)
     return ParsedDecision(str(model), str(direction), str(data.get("reason", "")), str(window) if window else None)
+
+
+def _describe(fields: dict[str, object]) -> str:
+    """A window's wire form described as the text form describes it (``Window.describe``), so
+    the report reads one way; fields that are not a valid window are listed as they are."""
+    try:
+        return Window.model_validate(fields).describe()
+    except ValidationError:
+        return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
 def parse_decision_line(line: str, models: Iterable[str]) -> ParsedDecision | None:
