@@ -70,7 +70,9 @@ class Observations:
     ``batch_hit_ratio`` is the share of admissions fired by the target (not the wait, the
     tail rule or the cap); ``tail_marked_share`` the share of admitted requests that were
     tail-marked. ``samples`` is how many latency observations the quantiles rest on (the histogram's
-    count increase over the window); the policy refuses to act on too few.
+    count increase over the window); the policy refuses to act on too few. ``itl_p99_s`` is the P99
+    of the gap between two tokens of one request (``batchpilot_inter_token_seconds``), whatever the
+    SLO's latency metric; it rests on far more samples than the per-request quantiles.
     ``step_s_by_batch`` maps a decode batch-size bucket (1, 2, 4, ...) to the mean step
     time at that size, the raw material of the friendliness curve.
     """
@@ -90,6 +92,8 @@ class Observations:
     kv_usage_ratio: float = NAN
     preemptions_per_s: float = NAN
     step_s_by_batch: Mapping[int, float] = field(default_factory=dict)
+    itl_p99_s: float = NAN
+    itl_p99_saturated: bool = False
     window_s: float = NAN
     at_s: float = NAN
 
@@ -105,6 +109,7 @@ class Observations:
             "p50_s",
             "p99_s",
             "p999_s",
+            "itl_p99_s",
         ):
             value = getattr(self, name)
             if known(value) and value < 0:
@@ -142,6 +147,7 @@ class Observations:
             p50_ms=opt(self.p50_s, 1000.0),
             p99_ms=opt(self.p99_s, 1000.0),
             p999_ms=opt(self.p999_s, 1000.0),
+            inter_token_p99_ms=opt(self.itl_p99_s, 1000.0),
             queue_depth=opt(self.queue_depth),
             arrival_rate=opt(self.arrival_rate_per_s),
             tokens_per_second=opt(self.tokens_per_s),

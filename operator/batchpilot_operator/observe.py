@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from batchpilot_operator.observations import Observations, histogram_quantile, is_saturated
 from batchpilot_runtime import metric_names as rm
 
-# The SLO's latencyMetric -> the runtime histogram it reads.
+INTER_TOKEN = "interToken"
+# The latency histograms the operator reads, by name: the SLO's latencyMetric picks one of the
+# first three; the inter-token histogram is read for every profile (slo.interTokenP99Ms).
 LATENCY_HISTOGRAMS: dict[str, str] = {
     "ttft": rm.TTFT_SECONDS,
     "queueWait": rm.QUEUE_WAIT_SECONDS,
     "e2e": rm.REQUEST_LATENCY_SECONDS,
+    INTER_TOKEN: rm.INTER_TOKEN_SECONDS,
 }
 
 # A (namespace, model) pair. Sources that see no namespace label use "".
@@ -128,11 +131,19 @@ class ModelMetrics:
 
     @property
     def batch_hit_ratio(self) -> float | None:
-        """Share of admissions that fired because the target was reached (``target`` reason)."""
+        """Share of admission groups that filled the batch: fired by the target or by reaching the cap
+        (the scheduler counts a group once, by the strongest reason, and "cap" outranks "target")."""
         total = sum(self.admissions_per_s.values())
         if total <= 0:
             return None
-        return self.admissions_per_s.get("target", 0.0) / total
+        return (self.admissions_per_s.get("target", 0.0) + self.admissions_per_s.get("cap", 0.0)) / total
+
+    @property
+    def tail_marked_share(self) -> float | None:
+        """Tail-marked requests per request that ended (the rule that raises the tail-mark ratio)."""
+        if self.tail_marked_per_s is None or not self.requests_per_s:
+            return None
+        return self.tail_marked_per_s / self.requests_per_s
 
     def step_time_per_batch_s(self) -> dict[int, float]:
         """Mean decode step time per batch-size bucket, for buckets that had steps."""
@@ -244,28 +255,36 @@ class MetricsUnavailable(Exception):
     """The metric source could not answer this interval (the message says why)."""
 
 
-def to_observations(metrics: ModelMetrics | None, latency_metric: str, at_s: float) -> Observations:
-    """The policy's view of one profile: unknown figures stay NaN (never zero)."""
-    nan = math.nan
-    if metrics is None:
-        return Observations(at_s=at_s)
-    histogram = metrics.latency.get(latency_metric)
-    p50 = p99 = p999 = Quantile(None)
-    samples = nan
+def _quantiles(metrics: ModelMetrics, name: str) -> tuple[tuple[Quantile, Quantile, Quantile], float]:
+    """P50, P99, P99.9 of one latency histogram and the observations they rest on (NaN: unknown)."""
+    histogram = metrics.latency.get(name)
     if histogram is not None and histogram.count > 0:
         p50, p99, p999 = (histogram.quantile(q) for q in (0.5, 0.99, 0.999))
-        samples = histogram.count * metrics.window_s
-    elif latency_metric in metrics.latency_quantiles_s:
+        return (p50, p99, p999), histogram.count * metrics.window_s
+    if name in metrics.latency_quantiles_s:
         # Prometheus returns the top finite bound for a quantile in +Inf: is_saturated recognises it.
-        quantiles = metrics.latency_quantiles_s[latency_metric]
+        quantiles = metrics.latency_quantiles_s[name]
         p50, p99, p999 = (
             Quantile(v, is_saturated(v, rm.LATENCY_BUCKETS_S))
             if (v := quantiles.get(q)) is not None
             else Quantile(None)
             for q in (0.5, 0.99, 0.999)
         )
-        count = metrics.latency_count_per_s.get(latency_metric)
-        samples = count * metrics.window_s if count is not None else nan
+        count = metrics.latency_count_per_s.get(name)
+        return (p50, p99, p999), count * metrics.window_s if count is not None else math.nan
+    return (Quantile(None), Quantile(None), Quantile(None)), math.nan
+
+
+def to_observations(metrics: ModelMetrics | None, latency_metric: str, at_s: float) -> Observations:
+    """The policy's view of one profile: unknown figures stay NaN (never zero).
+
+    The one builder of observations: the live sources (Prometheus, scraping) and the simulator
+    all fill a :class:`ModelMetrics` with the same counters and come through here."""
+    nan = math.nan
+    if metrics is None:
+        return Observations(at_s=at_s)
+    (p50, p99, p999), samples = _quantiles(metrics, latency_metric)
+    (_, itl_p99, _), _ = _quantiles(metrics, INTER_TOKEN)
 
     def num(value: float | None) -> float:
         known_value = finite_or_none(value)
@@ -283,6 +302,9 @@ def to_observations(metrics: ModelMetrics | None, latency_metric: str, at_s: flo
         tokens_per_s=num(metrics.generated_tokens_per_s),
         mean_batch_size=num(metrics.mean_batch_size),
         batch_hit_ratio=num(metrics.batch_hit_ratio),
+        tail_marked_share=num(metrics.tail_marked_share),
+        itl_p99_s=num(itl_p99.value_s),
+        itl_p99_saturated=itl_p99.saturated,
         kv_usage_ratio=num(metrics.kv_usage_max),
         preemptions_per_s=num(metrics.preemptions_per_s),
         step_s_by_batch=metrics.step_time_per_batch_s(),

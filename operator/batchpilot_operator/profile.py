@@ -15,7 +15,14 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from batchpilot_operator import API_VERSION, KIND
-from batchpilot_runtime.window import MAX_BATCH_SIZE, MAX_WAIT_MS_LIMIT, CamelModel, Window, WindowFields
+from batchpilot_runtime.window import (
+    MAX_BATCH_SIZE,
+    MAX_PREFILL_TOKENS_LIMIT,
+    MAX_WAIT_MS_LIMIT,
+    CamelModel,
+    Window,
+    WindowFields,
+)
 
 
 class Friendliness(StrEnum):
@@ -106,6 +113,16 @@ class SLO(CamelModel):
     p999_ms: float | None = Field(
         default=None, gt=0, le=3_600_000, description="Optional target 99.9th-percentile latency in milliseconds."
     )
+    inter_token_p99_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=60_000,
+        description=(
+            "Optional target 99th-percentile inter-token latency in milliseconds (the gap between two "
+            "streamed tokens of one request), held together with p99Ms. With it the operator tunes "
+            "window.maxPrefillTokens, the lever that trades first tokens against inter-token gaps."
+        ),
+    )
 
     @model_validator(mode="after")
     def _p999_above_p99(self) -> SLO:
@@ -124,6 +141,25 @@ class IntRange(CamelModel):
 
     @model_validator(mode="after")
     def _ordered(self) -> IntRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
+        return self
+
+    def clamp(self, value: int) -> int:
+        return max(self.min, min(self.max, value))
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+
+class TokenRange(CamelModel):
+    model_config = _cel("self.min <= self.max", "min must be less than or equal to max")
+
+    min: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Lowest value the operator may set.")
+    max: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Highest value the operator may set.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TokenRange:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
         return self
@@ -177,6 +213,13 @@ class WindowBounds(CamelModel):
         default_factory=lambda: FloatRange(min=1.5, max=4.0),
         description="Range of tailMarkRatio the operator may choose.",
     )
+    max_prefill_tokens: TokenRange = Field(
+        default_factory=lambda: TokenRange(min=128, max=16_384),
+        description=(
+            "Range of maxPrefillTokens the operator may choose (it sets one only for an SLO with "
+            "interTokenP99Ms; an unset budget stays unset otherwise)."
+        ),
+    )
 
     def contains(self, window: WindowFields) -> list[str]:
         """Names of the window fields that lie outside these bounds (empty when all inside)."""
@@ -189,6 +232,8 @@ class WindowBounds(CamelModel):
             outside.append("maxWaitMs")
         if not self.tail_mark_ratio.contains(window.tail_mark_ratio):
             outside.append("tailMarkRatio")
+        if window.max_prefill_tokens is not None and not self.max_prefill_tokens.contains(window.max_prefill_tokens):
+            outside.append("maxPrefillTokens")
         return outside
 
 
@@ -267,6 +312,12 @@ _BATCH_PROFILE_RULES: list[JsonValue] = [
         "message": "window.tailMarkRatio must lie within tuning.bounds.tailMarkRatio",
     },
     {
+        "rule": "!has(self.window.maxPrefillTokens) || "
+        "(self.window.maxPrefillTokens >= self.tuning.bounds.maxPrefillTokens.min && "
+        "self.window.maxPrefillTokens <= self.tuning.bounds.maxPrefillTokens.max)",
+        "message": "window.maxPrefillTokens must lie within tuning.bounds.maxPrefillTokens",
+    },
+    {
         "rule": "!has(self.lanes) || self.lanes.all(l, l.reservedSlots <= self.window.hardCap)",
         "message": "lanes[].reservedSlots must not exceed window.hardCap",
     },
@@ -325,11 +376,12 @@ class BatchProfileSpec(CamelModel):
 
 
 def _bounds_text(bounds: WindowBounds, names: list[str]) -> list[str]:
-    ranges: dict[str, IntRange | FloatRange] = {
+    ranges: dict[str, IntRange | FloatRange | TokenRange] = {
         "targetBatchSize": bounds.target_batch_size,
         "hardCap": bounds.hard_cap,
         "maxWaitMs": bounds.max_wait_ms,
         "tailMarkRatio": bounds.tail_mark_ratio,
+        "maxPrefillTokens": bounds.max_prefill_tokens,
     }
     return [f"{name} bounds are {ranges[name].min:g}..{ranges[name].max:g}" for name in names]
 
@@ -349,6 +401,7 @@ class Observed(CamelModel):
     p50_ms: float | None = Field(default=None, description="P50 of the SLO's latency metric, ms.")
     p99_ms: float | None = Field(default=None, description="P99 of the SLO's latency metric, ms.")
     p999_ms: float | None = Field(default=None, description="P99.9 of the SLO's latency metric, ms.")
+    inter_token_p99_ms: float | None = Field(default=None, description="P99 of the gap between two tokens, ms.")
     queue_depth: float | None = Field(default=None, description="Requests waiting, summed over pods.")
     arrival_rate: float | None = Field(default=None, description="Requests per second arriving.")
     tokens_per_second: float | None = Field(default=None, description="Generated tokens per second.")

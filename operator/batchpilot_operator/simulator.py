@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from batchpilot_operator.observations import NAN, Observations, histogram_quantile, is_saturated
+from batchpilot_operator.observations import NAN, Observations
+from batchpilot_operator.observe import INTER_TOKEN, HistogramWindow, ModelMetrics, to_observations
 from batchpilot_operator.profile import LatencyMetric
 from batchpilot_runtime.cost_model import CostModel, StepComposition
 from batchpilot_runtime.kv_blocks import blocks_for_tokens
@@ -36,6 +37,37 @@ from batchpilot_runtime.window import Window
 # The token every simulated step "samples": never a stop token, so requests end by length.
 SYNTHETIC_TOKEN = 7
 _NUM_BUCKETS = len(LATENCY_BUCKETS_S) + 1
+_CUMULATIVE_BOUNDS = (*LATENCY_BUCKETS_S, math.inf)
+# Exact inter-token quantiles over a whole run come from a fine histogram (0.1 ms bins up to 60 s):
+# millions of gaps, no list of them.
+GAP_BIN_S = 1e-4
+_GAP_BINS = 600_000
+
+
+class GapHistogram:
+    """Every inter-token gap of a run, in 0.1 ms bins (the last bin holds everything longer)."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (_GAP_BINS + 1)
+        self.total = 0
+
+    def add(self, gap_s: float, count: int = 1) -> None:
+        self.counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += count
+        self.total += count
+
+    def quantile(self, q: float) -> float:
+        """Nearest-rank quantile, as the upper edge of its bin (NaN without gaps)."""
+        if self.total == 0:
+            return NAN
+        rank = max(1, math.ceil(q * self.total))
+        seen = 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank:
+                return math.inf if index == _GAP_BINS else (index + 1) * GAP_BIN_S
+        return math.inf
 
 
 class Controller(Protocol):
@@ -62,6 +94,7 @@ class SimConfig:
     scheduler: SchedulerConfig
     slo_p99_s: float
     latency_metric: LatencyMetric = LatencyMetric.TTFT
+    slo_itl_p99_s: float | None = None
     interval_s: float = 15.0
     rate_window_s: float = 60.0
     max_sim_s: float | None = None
@@ -106,8 +139,16 @@ class RequestRecord:
     output_tokens: int
     admitted_s: float = NAN
     first_token_s: float = NAN
+    last_token_s: float = NAN
     finished_s: float = NAN
     rejected: bool = False
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for a one-token answer; inf when unfinished)."""
+        if math.isnan(self.finished_s):
+            return math.inf
+        return (self.finished_s - self.first_token_s) / max(1, self.output_tokens - 1)
 
     @property
     def queue_wait_s(self) -> float:
@@ -134,6 +175,7 @@ class _Interval:
     """Counters of one controller interval (the simulator's scrape)."""
 
     latency_buckets: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
+    itl_buckets: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
     arrivals: int = 0
     generated_tokens: int = 0
     decode_steps: int = 0
@@ -150,6 +192,7 @@ class TimelinePoint:
     t_s: float
     arrival_rate_per_s: float
     p99_s: float
+    itl_p99_s: float
     queue_depth: int
     running: int
     kv_usage_ratio: float
@@ -157,6 +200,7 @@ class TimelinePoint:
     hard_cap: int
     max_wait_ms: int
     tail_mark_ratio: float
+    max_prefill_tokens: int | None
     changed: bool
 
 
@@ -171,6 +215,7 @@ class SimResult:
     steps: int
     aborted: bool
     trace_span_s: float
+    gaps: GapHistogram = field(default_factory=GapHistogram)
 
 
 class Simulator:
@@ -214,6 +259,8 @@ class Simulator:
         next_arrival = 0
         now_s = 0.0
         prompt_cache: dict[int, tuple[int, ...]] = {}
+        gaps = GapHistogram()
+        gap_counts = gaps.counts
 
         def observe(value_s: float) -> None:
             nonlocal misses
@@ -260,6 +307,7 @@ class Simulator:
                             next_tick_s,
                             rate,
                             obs.p99_s if not obs.p99_saturated else math.inf,
+                            obs.itl_p99_s if not obs.itl_p99_saturated else math.inf,
                             sched.num_waiting,
                             sched.num_running,
                             sched.kv_usage_ratio,
@@ -267,6 +315,7 @@ class Simulator:
                             window.hard_cap,
                             window.max_wait_ms,
                             window.tail_mark_ratio,
+                            window.max_prefill_tokens or cfg.scheduler.max_prefill_tokens_per_step,
                             changed,
                         )
                     )
@@ -329,23 +378,26 @@ class Simulator:
             sampled = {seq.request_id: SYNTHETIC_TOKEN for seq in seqs if seq.sample}
             outputs = sched.update_from_output(plan, sampled, now_s)
             current.generated_tokens += len(outputs)
+            itl_buckets = current.itl_buckets
             for out in outputs:
+                record = records[int(out.request_id)]
+                last_s = record.last_token_s
+                record.last_token_s = now_s
+                if last_s == last_s:  # not NaN: a gap since this request's previous token (stalls included)
+                    gap_s = now_s - last_s
+                    itl_buckets[bisect.bisect_left(buckets, gap_s)] += 1
+                    gap_counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += 1
+                elif metric == LatencyMetric.TTFT:
+                    observe(now_s - record.arrival_s)
+                if math.isnan(record.first_token_s):
+                    record.first_token_s = now_s
                 if out.finish_reason is not None:
-                    record = records[int(out.request_id)]
                     record.finished_s = now_s
-                    if math.isnan(record.first_token_s):
-                        record.first_token_s = now_s
-                        if metric == LatencyMetric.TTFT:
-                            observe(now_s - record.arrival_s)
                     if metric == LatencyMetric.E2E:
                         observe(now_s - record.arrival_s)
-                else:
-                    record = records[int(out.request_id)]
-                    if math.isnan(record.first_token_s):
-                        record.first_token_s = now_s
-                        if metric == LatencyMetric.TTFT:
-                            observe(now_s - record.arrival_s)
+        gaps.total = sum(gap_counts)
         return SimResult(
+            gaps=gaps,
             records=records,
             timeline=timeline,
             interval_admissions=interval_admissions,
@@ -359,50 +411,64 @@ class Simulator:
 
     @staticmethod
     def _observations(recent: Sequence[_Interval], cfg: SimConfig, sched: Scheduler, now_s: float) -> Observations:
-        """What the operator's queries would return over the last rate window."""
-        window_s = len(recent) * cfg.interval_s
-        counts = [0] * _NUM_BUCKETS
-        arrivals = tokens = decode_steps = decode_seqs = admitted = marked = preempted = 0
-        admissions: dict[str, int] = {}
-        step_acc: dict[int, list[float]] = {}
-        for interval in recent:
-            for i, c in enumerate(interval.latency_buckets):
-                if c:
-                    counts[i] += c
-            arrivals += interval.arrivals
-            tokens += interval.generated_tokens
-            decode_steps += interval.decode_steps
-            decode_seqs += interval.decode_seqs
-            admitted += interval.admitted_requests
-            marked += interval.tail_marked
-            preempted += interval.preempted
-            for reason, count in interval.admissions.items():
-                admissions[reason] = admissions.get(reason, 0) + count
-            for bucket, (sum_s, count_f) in interval.step_s_by_bucket.items():
-                acc = step_acc.setdefault(bucket, [0.0, 0.0])
-                acc[0] += sum_s
-                acc[1] += count_f
-        p50 = histogram_quantile(0.5, LATENCY_BUCKETS_S, counts)
-        p99 = histogram_quantile(0.99, LATENCY_BUCKETS_S, counts)
-        p999 = histogram_quantile(0.999, LATENCY_BUCKETS_S, counts)
-        groups = sum(admissions.values())
-        hits = admissions.get("target", 0) + admissions.get("cap", 0)
-        return Observations(
-            p50_s=p50,
-            p99_s=p99,
-            p999_s=p999,
-            p99_saturated=is_saturated(p99),
-            p999_saturated=is_saturated(p999),
-            samples=float(sum(counts)),
-            queue_depth=float(sched.num_waiting),
-            arrival_rate_per_s=arrivals / window_s,
-            tokens_per_s=tokens / window_s,
-            mean_batch_size=decode_seqs / decode_steps if decode_steps else NAN,
-            batch_hit_ratio=hits / groups if groups else NAN,
-            tail_marked_share=marked / admitted if admitted else NAN,
-            kv_usage_ratio=sched.kv_usage_ratio,
-            preemptions_per_s=preempted / window_s,
-            step_s_by_batch={b: s / c for b, (s, c) in step_acc.items() if c > 0},
-            window_s=window_s,
-            at_s=now_s,
+        """What the operator's queries would return over the last rate window: the simulator's
+        counters as the live sources' :class:`ModelMetrics`, through the same builder."""
+        return to_observations(
+            interval_metrics(recent, cfg.interval_s, cfg.latency_metric, sched), cfg.latency_metric, now_s
         )
+
+
+def interval_metrics(
+    recent: Sequence[_Interval], interval_s: float, latency_metric: LatencyMetric, sched: Scheduler
+) -> ModelMetrics:
+    """The counters of the last intervals as rates per second, as Prometheus' ``rate()`` gives them."""
+    window_s = len(recent) * interval_s
+    latency = [0] * _NUM_BUCKETS
+    itl = [0] * _NUM_BUCKETS
+    arrivals = tokens = decode_steps = decode_seqs = marked = preempted = 0
+    admissions: dict[str, int] = {}
+    step_acc: dict[int, list[float]] = {}
+    for interval in recent:
+        for i, c in enumerate(interval.latency_buckets):
+            if c:
+                latency[i] += c
+        for i, c in enumerate(interval.itl_buckets):
+            if c:
+                itl[i] += c
+        arrivals += interval.arrivals
+        tokens += interval.generated_tokens
+        decode_steps += interval.decode_steps
+        decode_seqs += interval.decode_seqs
+        marked += interval.tail_marked
+        preempted += interval.preempted
+        for reason, count in interval.admissions.items():
+            admissions[reason] = admissions.get(reason, 0) + count
+        for bucket, (sum_s, count_f) in interval.step_s_by_bucket.items():
+            acc = step_acc.setdefault(bucket, [0.0, 0.0])
+            acc[0] += sum_s
+            acc[1] += count_f
+
+    def histogram(counts: list[int]) -> HistogramWindow:
+        cumulative: list[float] = []
+        running = 0
+        for count in counts:
+            running += count
+            cumulative.append(running / window_s)
+        return HistogramWindow(_CUMULATIVE_BOUNDS, tuple(cumulative))
+
+    return ModelMetrics(
+        window_s=window_s,
+        latency={str(latency_metric): histogram(latency), INTER_TOKEN: histogram(itl)},
+        requests_per_s=arrivals / window_s,
+        generated_tokens_per_s=tokens / window_s,
+        admissions_per_s={reason: count / window_s for reason, count in admissions.items()},
+        tail_marked_per_s=marked / window_s,
+        preemptions_per_s=preempted / window_s,
+        decode_batch_sum_per_s=decode_seqs / window_s,
+        decode_batch_count_per_s=decode_steps / window_s,
+        step_seconds_by_bucket={b: (s / window_s, c / window_s) for b, (s, c) in step_acc.items()},
+        queue_depth=float(sched.num_waiting),
+        running=float(sched.num_running),
+        kv_usage_max=sched.kv_usage_ratio,
+        pods_reporting=1,
+    )

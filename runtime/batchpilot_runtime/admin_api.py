@@ -39,6 +39,18 @@ class WindowState(CamelModel):
     lanes: list[LaneWindow] = Field(default_factory=list)
     capacity: PodCapacity
     batching: str = Field(description="'continuous' or 'static'.")
+    default_prefill_tokens: int | None = Field(
+        default=None,
+        description=(
+            "The pod's start-up prompt-token budget per step, in force while window.maxPrefillTokens is "
+            "unset (none = whole prompts)."
+        ),
+    )
+
+    @property
+    def prefill_budget_tokens(self) -> int | None:
+        """Prompt tokens one step may prefill under this state; ``None``: whole prompts."""
+        return self.window.max_prefill_tokens or self.default_prefill_tokens
 
 
 class WindowUpdate(CamelModel):

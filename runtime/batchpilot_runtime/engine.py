@@ -480,6 +480,7 @@ class Engine:
             lanes=[lane for _, lane in sorted(self.scheduler.lanes.items())],
             capacity=self.capacity,
             batching=self.batching,
+            default_prefill_tokens=self.scheduler.config.max_prefill_tokens_per_step,
         )
 
 

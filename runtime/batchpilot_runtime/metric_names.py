@@ -86,6 +86,7 @@ WINDOW_TARGET_BATCH_SIZE = "batchpilot_window_target_batch_size"
 WINDOW_HARD_CAP = "batchpilot_window_hard_cap"
 WINDOW_MAX_WAIT_SECONDS = "batchpilot_window_max_wait_seconds"
 WINDOW_GENERATION = "batchpilot_window_generation"
+WINDOW_MAX_PREFILL_TOKENS = "batchpilot_window_max_prefill_tokens"
 REQUESTS_TOTAL = "batchpilot_requests_total"
 GENERATED_TOKENS_TOTAL = "batchpilot_generated_tokens_total"
 PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
@@ -139,6 +140,11 @@ RUNTIME_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(WINDOW_HARD_CAP, "gauge", "hardCap of the window in force."),
     MetricSpec(WINDOW_MAX_WAIT_SECONDS, "gauge", "maxWaitMs of the window in force, in seconds."),
     MetricSpec(WINDOW_GENERATION, "gauge", "Generation of the window in force."),
+    MetricSpec(
+        WINDOW_MAX_PREFILL_TOKENS,
+        "gauge",
+        "Prompt tokens one step may prefill under the window in force (0 = whole prompts).",
+    ),
     MetricSpec(REQUESTS_TOTAL, "counter", "Requests that ended, by outcome.", (LABEL_MODEL, LABEL_OUTCOME)),
     MetricSpec(GENERATED_TOKENS_TOTAL, "counter", "Tokens generated."),
     MetricSpec(PROMPT_TOKENS_TOTAL, "counter", "Prompt tokens of admitted requests."),

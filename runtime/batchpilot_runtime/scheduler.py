@@ -60,8 +60,10 @@ Tail marking
     of ``schedule``, before admission, with the samples of earlier steps.
 
 Chunked prefill
-    ``max_prefill_tokens_per_step`` bounds the prompt (and recompute) tokens of one step; decodes
-    do not count against it. Order: (1) every decoding sequence feeds its last sampled token,
+    The main window's ``maxPrefillTokens`` (or, when the window leaves it unset,
+    ``max_prefill_tokens_per_step``, the pod's start-up budget) bounds the prompt (and recompute)
+    tokens of one step; decodes do not count against it; lane windows' budgets are not used (the
+    budget is the step's, shared by every lane). A new window's budget applies from the next step. Order: (1) every decoding sequence feeds its last sampled token,
     (2) running sequences with prompt tokens left, oldest admitted first, (3) new admissions, with
     what budget is left. A sequence whose chunk does not end its prompt gets ``sample=False``.
     The whole prompt's KV blocks are allocated at admission, so chunks never run out of KV.
@@ -412,9 +414,9 @@ class Scheduler:
         self.config = config
         self._kv = KVBlockManager(config.num_kv_blocks, config.kv_block_size)
         self._static = config.batching == "static"
-        self._budget_tokens = config.max_prefill_tokens_per_step or math.inf
         self._watermark_blocks = config.watermark_blocks
         self._window = window
+        self._budget_tokens = self._step_budget(window)
         self._lane_windows = _validate_lanes(window, lanes or {})
         self._lanes: dict[str, _Lane] = {}
         self._rebuild_lanes(self._lane_windows)
@@ -570,9 +572,19 @@ class Scheduler:
         window, lanes = self._staged
         self._staged = None
         self._window = window
+        self._budget_tokens = self._step_budget(window)
         if lanes is not None:
             self._lane_windows = lanes
         self._rebuild_lanes(self._lane_windows)
+
+    def _step_budget(self, window: Window) -> float:
+        budget = window.max_prefill_tokens or self.config.max_prefill_tokens_per_step
+        return math.inf if budget is None else float(budget)
+
+    @property
+    def prefill_budget_tokens(self) -> int | None:
+        """Prompt tokens one step may prefill now; ``None``: whole prompts."""
+        return None if math.isinf(self._budget_tokens) else int(self._budget_tokens)
 
     def _rebuild_lanes(self, lane_windows: Mapping[str, LaneWindow]) -> None:
         old = self._lanes

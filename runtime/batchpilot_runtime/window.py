@@ -6,12 +6,15 @@ This module imports neither torch nor a web framework.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 from pydantic.alias_generators import to_camel
 
 MAX_BATCH_SIZE = 4096
 MAX_WAIT_MS_LIMIT = 60_000
 MAX_TAIL_MARK_RATIO = 100.0
+MAX_PREFILL_TOKENS_LIMIT = 1_048_576
 
 
 class CamelModel(BaseModel):
@@ -26,9 +29,10 @@ class CamelModel(BaseModel):
 
 
 class WindowFields(CamelModel):
-    """The four fields of a batching window, without a generation.
+    """The fields of a batching window, without a generation.
 
-    Invariants: 1 <= targetBatchSize <= hardCap, maxWaitMs >= 0, tailMarkRatio > 1.
+    Invariants: 1 <= targetBatchSize <= hardCap, maxWaitMs >= 0, tailMarkRatio > 1,
+    maxPrefillTokens >= 1 or unset (the pod's start-up budget; none = whole prompts).
     """
 
     model_config = ConfigDict(
@@ -74,6 +78,17 @@ class WindowFields(CamelModel):
             "marked as a tail request and admitted first."
         ),
     )
+    max_prefill_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_PREFILL_TOKENS_LIMIT,
+        description=(
+            "Prompt tokens one step may prefill (chunked prefill; decodes do not count). Smaller keeps "
+            "running sequences' inter-token gaps short, larger gets first tokens out sooner. Unset: the "
+            "pod's start-up budget (whole prompts when it has none). vLLM: max_num_batched_tokens; "
+            "SGLang: chunked_prefill_size."
+        ),
+    )
 
     @model_validator(mode="after")
     def _target_within_cap(self) -> WindowFields:
@@ -83,13 +98,24 @@ class WindowFields(CamelModel):
             )
         return self
 
+    @model_serializer(mode="wrap")
+    def _leave_out_unset_budget(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An unset budget is left out of the wire form rather than sent as null: a runtime that
+        # predates the field still accepts the window, and a merge patch of status keeps no null.
+        data: dict[str, Any] = handler(self)
+        for key in ("maxPrefillTokens", "max_prefill_tokens"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
     def fields_equal(self, other: WindowFields) -> bool:
-        """True when both windows have the same four fields, whatever their generations."""
+        """True when both windows have the same fields, whatever their generations."""
         return (
             self.target_batch_size == other.target_batch_size
             and self.hard_cap == other.hard_cap
             and self.max_wait_ms == other.max_wait_ms
             and self.tail_mark_ratio == other.tail_mark_ratio
+            and self.max_prefill_tokens == other.max_prefill_tokens
         )
 
 
@@ -112,11 +138,13 @@ class Window(WindowFields):
             hard_cap=fields.hard_cap,
             max_wait_ms=fields.max_wait_ms,
             tail_mark_ratio=fields.tail_mark_ratio,
+            max_prefill_tokens=fields.max_prefill_tokens,
             generation=generation,
         )
 
     def describe(self) -> str:
+        budget = "" if self.max_prefill_tokens is None else f" budget={self.max_prefill_tokens}"
         return (
             f"target={self.target_batch_size} cap={self.hard_cap} wait={self.max_wait_ms}ms "
-            f"tail={self.tail_mark_ratio:g}x gen={self.generation}"
+            f"tail={self.tail_mark_ratio:g}x{budget} gen={self.generation}"
         )

@@ -52,7 +52,8 @@ def test_non_monotone_buckets_are_made_monotone() -> None:
 def test_queries_name_only_runtime_metrics_and_stay_grouped() -> None:
     queries = promql.build_queries(60)
     assert len(queries) == 3
-    assert queries["latency"].count("histogram_quantile(") == 9
+    # Three quantiles of each of the four latency histograms (ttft, queueWait, e2e, interToken).
+    assert queries["latency"].count("histogram_quantile(") == 12
     known = rm.all_series_names()
     for expr in queries.values():
         assert "[60s]" in expr or "rate" not in expr

@@ -296,6 +296,33 @@ def test_without_a_budget_whole_prompts_run_in_one_step() -> None:
     assert plan.stats.num_prefill_seqs == 2
 
 
+def test_the_window_budget_applies_from_the_next_step_and_overrides_the_pods_own() -> None:
+    scheduler = make_scheduler(target=1, budget=30)
+    scheduler.add_request(make_requests(1, prompt_tokens=100, max_new=2)[0])
+    plan, _ = step(scheduler, 0.0)
+    assert chunks(plan) == [("r0", 0, 30, False, True)]  # the pod's start-up budget
+    scheduler.set_window(make_window(target=1).model_copy(update={"max_prefill_tokens": 8, "generation": 1}))
+    assert scheduler.prefill_budget_tokens == 30  # staged, not yet in force
+    plan, _ = step(scheduler, 1.0)
+    assert chunks(plan) == [("r0", 30, 8, False, True)]
+    assert scheduler.prefill_budget_tokens == 8
+    # A window that leaves the budget unset falls back to the pod's budget.
+    scheduler.set_window(make_window(target=1, generation=2))
+    plan, _ = step(scheduler, 2.0)
+    assert chunks(plan) == [("r0", 38, 30, False, True)]
+
+
+def test_a_window_budget_on_a_pod_without_one_chunks_prompts_and_decodes_stay_outside_it() -> None:
+    scheduler = make_scheduler(target=2)
+    assert scheduler.prefill_budget_tokens is None
+    scheduler.set_window(make_window(target=2).model_copy(update={"max_prefill_tokens": 6, "generation": 1}))
+    add_all(scheduler, make_requests(2, prompt_tokens=4, max_new=3))
+    plan, _ = step(scheduler, 0.0)
+    assert chunks(plan) == [("r0", 0, 4, True, True), ("r1", 0, 2, False, True)]
+    plan, _ = step(scheduler, 1.0)
+    assert chunks(plan) == [("r0", 4, 1, True, False), ("r1", 2, 2, True, True)]
+
+
 def test_chunks_carry_the_prompt_tokens_and_the_whole_block_table() -> None:
     scheduler = make_scheduler(target=1, budget=3, block_size=4)
     scheduler.add_request(SchedRequest("a", (5, 6, 7, 8, 9), 2, 0.0))

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from batchpilot_operator.observations import Observations
+from batchpilot_operator.observe import INTER_TOKEN, MetricsBuilder, to_observations
 from batchpilot_operator.profile import LatencyMetric, parse_spec
 from batchpilot_operator.sim_controllers import AdaptiveController
 from batchpilot_operator.sim_metrics import exact_quantile, summarize
-from batchpilot_operator.simulator import SimConfig, Simulator, scheduler_config_for
+from batchpilot_operator.simulator import (
+    GAP_BIN_S,
+    SimConfig,
+    Simulator,
+    _Interval,
+    interval_metrics,
+    scheduler_config_for,
+)
 from batchpilot_runtime.cost_model import A100_LLAMA2_7B, UNIT
-from batchpilot_runtime.scheduler import SchedulerConfig
+from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
+from batchpilot_runtime.scheduler import Scheduler, SchedulerConfig
 from batchpilot_runtime.trace import TraceRequest
 from batchpilot_runtime.window import Window
 
@@ -45,6 +56,87 @@ def test_hand_computed_scenario_latencies_are_exact() -> None:
     assert b.ttft_s == pytest.approx(0.031)
     assert b.e2e_s == pytest.approx(0.031)
     assert result.steps == 3
+
+
+def test_every_token_gap_is_recorded_exactly() -> None:
+    # The scenario above: A's tokens at 0.020, 0.036, 0.047 give gaps of 16 and 11 ms; B's only
+    # token has no gap. Per output token after the first, A took (0.047 - 0.020) / 2.
+    requests = [TraceRequest(0.0, 10, 3), TraceRequest(0.005, 5, 1)]
+    result = Simulator(requests, Window(target_batch_size=1, hard_cap=4, max_wait_ms=0), make_config()).run()
+    assert result.gaps.total == 2
+    assert result.gaps.quantile(0.5) == pytest.approx(0.011, abs=GAP_BIN_S)
+    assert result.gaps.quantile(1.0) == pytest.approx(0.016, abs=GAP_BIN_S)
+    a, b = result.records
+    assert a.tpot_s == pytest.approx(0.0135)
+    assert b.tpot_s == 0.0
+
+
+def test_a_preempted_sequence_gap_includes_its_stall() -> None:
+    # Two requests whose KV does not fit together: the younger is preempted and recomputed, and
+    # its next token comes after a gap longer than any step of an unpreempted run.
+    requests = [TraceRequest(0.0, 30, 40), TraceRequest(0.0, 30, 40)]
+    config = make_config(scheduler=SchedulerConfig(num_kv_blocks=6, kv_block_size=16, kv_watermark_fraction=0.0))
+    result = Simulator(requests, Window(target_batch_size=2, hard_cap=2, max_wait_ms=0), config).run()
+    assert all(not math.isnan(r.finished_s) for r in result.records)
+    assert result.gaps.total == 2 * 39
+    longest_step_s = 0.010 + 0.002 + 0.030 + 0.040  # a generous bound on one unpreempted step
+    assert result.gaps.quantile(1.0) > longest_step_s
+
+
+def test_the_simulator_builds_observations_through_the_live_builder() -> None:
+    """The same counters fed through the live sources' builder and through the simulator's give the
+    same observations, field by field."""
+    interval = _Interval()
+    interval.latency_buckets[10] = 30
+    interval.latency_buckets[40] = 2
+    interval.itl_buckets[5] = 900
+    interval.itl_buckets[60] = 12
+    interval.arrivals = 32
+    interval.generated_tokens = 944
+    interval.decode_steps = 100
+    interval.decode_seqs = 800
+    interval.admissions = {"target": 5, "cap": 3, "wait": 2}
+    interval.tail_marked = 4
+    interval.preempted = 1
+    interval.step_s_by_bucket = {8: [2.0, 100.0]}
+    sched = Scheduler(SchedulerConfig(num_kv_blocks=64), Window(target_batch_size=1, hard_cap=4, max_wait_ms=0))
+    window_s = 20.0
+    simulated = to_observations(interval_metrics([interval, _Interval()], 10.0, LatencyMetric.TTFT, sched), "ttft", 7.0)
+
+    live = MetricsBuilder(window_s)
+    key = ("", "m")
+    for metric, counts in (("ttft", interval.latency_buckets), (INTER_TOKEN, interval.itl_buckets)):
+        cumulative = 0
+        for bound, count in zip((*LATENCY_BUCKETS_S, math.inf), counts, strict=True):
+            cumulative += count
+            live.add_bucket(key, metric, bound, cumulative / window_s)
+    for series, value in (
+        ("requests", 32),
+        ("generated_tokens", 944),
+        ("tail_marked", 4),
+        ("preemptions", 1),
+        ("batch_sum", 800),
+        ("batch_count", 100),
+    ):
+        live.add_rate(key, series, value / window_s)
+    for reason, count in interval.admissions.items():
+        live.add_rate(key, "admissions", count / window_s, reason)
+    live.add_rate(key, "step_sum", 2.0 / window_s, "8")
+    live.add_rate(key, "step_count", 100.0 / window_s, "8")
+    for series, value in (("queue_depth", 0.0), ("running", 0.0), ("kv_usage", 0.0), ("pods", 1.0)):
+        live.add_gauge(key, series, value)
+    observed = to_observations(live.build()[key], "ttft", 7.0)
+
+    for name in (f.name for f in dataclasses.fields(Observations)):
+        got, want = getattr(simulated, name), getattr(observed, name)
+        if isinstance(want, float):
+            assert got == pytest.approx(want, nan_ok=True), name
+        else:
+            assert got == want, name
+    assert simulated.batch_hit_ratio == pytest.approx(0.8)  # (target + cap) / all groups
+    assert simulated.tail_marked_share == pytest.approx(4 / 32)
+    # 12 of 912 gaps (1.3 %) lie in bucket 60, so the inter-token P99 does too.
+    assert LATENCY_BUCKETS_S[59] < simulated.itl_p99_s <= LATENCY_BUCKETS_S[60]
 
 
 def test_target_and_wait_hold_requests_back_exactly() -> None:

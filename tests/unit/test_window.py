@@ -25,6 +25,18 @@ def test_camel_case_on_the_wire_snake_case_in_python() -> None:
     }
 
 
+def test_the_prefill_budget_travels_when_set_and_is_left_out_when_unset() -> None:
+    budgeted = make_window(maxPrefillTokens=512, generation=1)
+    wire = budgeted.model_dump(by_alias=True, mode="json")
+    assert wire["maxPrefillTokens"] == 512
+    assert Window.model_validate(wire) == budgeted
+    assert "maxPrefillTokens" not in make_window().model_dump(by_alias=True, mode="json")
+    assert "max_prefill_tokens" not in make_window().model_dump()
+    assert not budgeted.fields_equal(make_window(generation=1))
+    assert budgeted.describe() == "target=8 cap=16 wait=20ms tail=2x budget=512 gen=1"
+    assert make_window().describe() == "target=8 cap=16 wait=20ms tail=2x gen=0"
+
+
 def test_target_above_cap_is_refused_naming_both_fields() -> None:
     with pytest.raises(ValidationError) as caught:
         make_window(targetBatchSize=16, hardCap=8)
@@ -42,6 +54,7 @@ def test_target_above_cap_is_refused_naming_both_fields() -> None:
         ("tailMarkRatio", 1.0),
         ("tailMarkRatio", 0.5),
         ("generation", -1),
+        ("maxPrefillTokens", 0),
         ("targetBatchSize", "many"),
     ],
 )

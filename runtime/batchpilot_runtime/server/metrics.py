@@ -66,6 +66,7 @@ class MetricsExporter:
             mn.WINDOW_HARD_CAP,
             mn.WINDOW_MAX_WAIT_SECONDS,
             mn.WINDOW_GENERATION,
+            mn.WINDOW_MAX_PREFILL_TOKENS,
         ):
             self._gauges[name].labels(model=model)
         for name in (mn.GENERATED_TOKENS_TOTAL, mn.PROMPT_TOKENS_TOTAL, mn.TAIL_MARKED_TOTAL, mn.PREEMPTIONS_TOTAL):
@@ -143,6 +144,7 @@ class MetricsExporter:
         self._gauges[mn.WINDOW_HARD_CAP].labels(model=model).set(window.hard_cap)
         self._gauges[mn.WINDOW_MAX_WAIT_SECONDS].labels(model=model).set(window.max_wait_ms / 1000.0)
         self._gauges[mn.WINDOW_GENERATION].labels(model=model).set(window.generation)
+        self._gauges[mn.WINDOW_MAX_PREFILL_TOKENS].labels(model=model).set(state.prefill_budget_tokens or 0)
         self.add_lanes(lane.name for lane in state.lanes)
 
     # -- what the HTTP layer sees ---------------------------------------------------------------
