@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from batchpilot_operator import policy as policy_mod
 from batchpilot_operator.observations import Observations, known
-from batchpilot_operator.observe import MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
+from batchpilot_operator.observe import INTER_TOKEN, MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.opmetrics import OperatorMetrics
 from batchpilot_operator.profile import (
     BatchProfileSpec,
@@ -799,7 +799,11 @@ class Controller:
             text = f"P99 {obs.p99_s * 1000:.0f} ms vs SLO {slo.p99_ms:g} ms" + (
                 " (top bucket)" if obs.p99_saturated else ""
             )
-            if over or p999_over:
+            itl_over = False
+            if slo.inter_token_p99_ms is not None and (known(obs.itl_p99_s) or obs.itl_p99_saturated):
+                itl_over = obs.itl_p99_saturated or obs.itl_p99_s * 1000 > slo.inter_token_p99_ms
+                text += f"; inter-token P99 {obs.itl_p99_s * 1000:.0f} ms vs {slo.inter_token_p99_ms:g} ms"
+            if over or p999_over or itl_over:
                 slo_met = ConditionFact(FALSE, "SLOMissed", text + (" (P99.9 over)" if p999_over and not over else ""))
             else:
                 slo_met = ConditionFact(TRUE, "SLOMet", text)
@@ -874,11 +878,14 @@ class Controller:
         self.metrics.slo_seconds.labels(*labels, metric, "0.99").set(spec.slo.p99_ms / 1000)
         if spec.slo.p999_ms is not None:
             self.metrics.slo_seconds.labels(*labels, metric, "0.999").set(spec.slo.p999_ms / 1000)
+        if spec.slo.inter_token_p99_ms is not None:
+            self.metrics.slo_seconds.labels(*labels, INTER_TOKEN, "0.99").set(spec.slo.inter_token_p99_ms / 1000)
         if record.window is not None:
             self.metrics.window_target.labels(*labels).set(record.window.target_batch_size)
             self.metrics.window_cap.labels(*labels).set(record.window.hard_cap)
             self.metrics.window_wait.labels(*labels).set(record.window.max_wait_ms / 1000)
             self.metrics.window_generation.labels(*labels).set(record.window.generation)
+            self.metrics.window_budget.labels(*labels).set(record.window.max_prefill_tokens or 0)
 
 
 def _window_from_status(status: Mapping[str, Any] | None) -> Window | None:

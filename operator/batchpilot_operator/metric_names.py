@@ -59,6 +59,7 @@ WINDOW_TARGET_BATCH_SIZE = "batchpilot_operator_window_target_batch_size"
 WINDOW_HARD_CAP = "batchpilot_operator_window_hard_cap"
 WINDOW_MAX_WAIT_SECONDS = "batchpilot_operator_window_max_wait_seconds"
 WINDOW_GENERATION = "batchpilot_operator_window_generation"
+WINDOW_MAX_PREFILL_TOKENS = "batchpilot_operator_window_max_prefill_tokens"
 
 OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -111,6 +112,12 @@ OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(WINDOW_HARD_CAP, "gauge", "hardCap of the window the operator has in force.", PROFILE_LABELS),
     MetricSpec(WINDOW_MAX_WAIT_SECONDS, "gauge", "maxWaitMs of the window in force, in seconds.", PROFILE_LABELS),
     MetricSpec(WINDOW_GENERATION, "gauge", "Generation of the window the operator has in force.", PROFILE_LABELS),
+    MetricSpec(
+        WINDOW_MAX_PREFILL_TOKENS,
+        "gauge",
+        "maxPrefillTokens of the window in force (0 = unset: the pods' own budget).",
+        PROFILE_LABELS,
+    ),
 )
 
 # The runtime's latency histogram behind each spec.slo.latencyMetric value.

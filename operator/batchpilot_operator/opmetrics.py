@@ -84,6 +84,12 @@ class OperatorMetrics:
         self.window_generation = Gauge(
             om.WINDOW_GENERATION, _help(om.WINDOW_GENERATION), _labels(om.WINDOW_GENERATION), registry=r
         )
+        self.window_budget = Gauge(
+            om.WINDOW_MAX_PREFILL_TOKENS,
+            _help(om.WINDOW_MAX_PREFILL_TOKENS),
+            _labels(om.WINDOW_MAX_PREFILL_TOKENS),
+            registry=r,
+        )
         self._per_profile: tuple[Counter | Gauge, ...] = (
             self.profile_pods,
             self.profile_condition,
@@ -92,6 +98,7 @@ class OperatorMetrics:
             self.window_cap,
             self.window_wait,
             self.window_generation,
+            self.window_budget,
         )
 
     def forget_profile(self, namespace: str, profile: str, model: str) -> None:

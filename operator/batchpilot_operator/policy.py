@@ -59,6 +59,19 @@ that only shortens latency, and a target the running batch does not reach comes 
 to what it fills, so that admissions still fire on the target. The arrival-following
 wait above is for an engine that idles between requests.
 
+The prompt-token budget per step (``maxPrefillTokens``) is the lever between the two tails an
+iteration-level engine trades: a long prompt prefilled in one step stalls every decode of that
+step (inter-token gap), a small budget spreads it over many steps (first token later). It moves
+only for an SLO with ``interTokenP99Ms``. Over the inter-token target it comes down at once, by
+a cut that grows with the overshoot and at least reaches the budget that would put the gap at
+85 % of its target, the gap growing about linearly with a step's prompt tokens; when it is already at its lower bound and the batch is at
+its cap, the cap comes down instead (the decode part of a step grows with the batch). With the
+inter-token P99 under 70 % of its target while the first-token P99 is past its headroom (the
+TTFT side needs help), it rises towards the budget that puts the inter-token P99 at 85 % of its
+target (the gap grows about linearly with the prompt tokens of a step), by at most the step
+limit. Otherwise it holds: a budget raised while nothing contends would only show its cost at
+the next burst. An unset budget (whole prompts) counts as the top of its bounds.
+
 Every field moves at most ``maxStepFraction`` of its value per decision (or one unit
 --- one sequence, 5 ms, 0.1 --- when that is larger, so that a field at 0 or 1 can
 move at all), every field stays within ``tuning.bounds``, and target <= cap always.
@@ -106,6 +119,8 @@ class PolicyConfig:
     tail_share_low: float = 0.05
     step_slo_share: float = 0.2  # a decode step longer than this share of the SLO makes the cap a latency cause
     busy_share_no_wait: float = 0.5  # decoding this share of the time or more, a wait buys nothing
+    itl_raise_ratio: float = 0.7  # the budget may rise only with the inter-token P99 under this share of its target
+    itl_setpoint_ratio: float = 0.85  # ... and towards the budget that puts it at this share
 
 
 DEFAULT_CONFIG = PolicyConfig()
@@ -182,6 +197,11 @@ def _clamp_into_bounds(window: Window, bounds: WindowBounds) -> Window:
             "hard_cap": cap,
             "max_wait_ms": bounds.max_wait_ms.clamp(window.max_wait_ms),
             "tail_mark_ratio": bounds.tail_mark_ratio.clamp(window.tail_mark_ratio),
+            "max_prefill_tokens": (
+                None
+                if window.max_prefill_tokens is None
+                else bounds.max_prefill_tokens.clamp(window.max_prefill_tokens)
+            ),
         }
     )
 
@@ -280,6 +300,61 @@ def _tail_ratio(
     return _limit_ratio(current, desired, fraction, bounds.tail_mark_ratio.min, bounds.tail_mark_ratio.max)
 
 
+@dataclass(frozen=True)
+class BudgetMove:
+    """The prompt-token budget after one decision, and why (empty when it holds)."""
+
+    budget: int | None
+    why: str = ""
+    itl_over: bool = False
+    at_floor: bool = False
+
+
+def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
+    """Inter-token P99 over its target (inf when saturated; NaN without a target or data)."""
+    target_ms = spec.slo.inter_token_p99_ms
+    if target_ms is None:
+        return math.nan
+    if obs.itl_p99_saturated:
+        return math.inf
+    return obs.itl_p99_s * 1000.0 / target_ms if known(obs.itl_p99_s) else math.nan
+
+
+def budget_move(
+    spec: BatchProfileSpec, window: Window, obs: Observations, ttft_ratio: float, config: PolicyConfig
+) -> BudgetMove:
+    """The budget from the two tails: see the module docstring."""
+    budget = window.max_prefill_tokens
+    ratio = itl_ratio(spec, obs)
+    if math.isnan(ratio):
+        return BudgetMove(budget)
+    bound = spec.tuning.bounds.max_prefill_tokens
+    fraction = spec.tuning.max_step_fraction
+    current = bound.max if budget is None else budget
+    itl_text = (
+        "inter-token P99 beyond the top bucket"
+        if math.isinf(ratio)
+        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+    )
+    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
+    if ratio > 1.0:
+        severity = 1.0 if math.isinf(ratio) else min(1.0, max(0.3, ratio - 1.0))
+        # The gap grows about linearly with a step's prompt tokens: aim at the setpoint at once.
+        desired = current * min(1 - fraction * severity, config.itl_setpoint_ratio / ratio)
+        new = _limit_int(current, desired, fraction, bound.min, bound.max)
+        if new == budget:
+            return BudgetMove(budget, itl_over=True, at_floor=new <= bound.min)
+        why = f"lowering the prefill budget to {new} tokens ({itl_text} over its {target_text} target)"
+        return BudgetMove(new, why, itl_over=True, at_floor=new <= bound.min)
+    if budget is not None and ratio < config.itl_raise_ratio and ttft_ratio > config.headroom_ratio:
+        desired = current * min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
+        new = _limit_int(current, desired, fraction, bound.min, bound.max)
+        if new > budget:
+            why = f"raising the prefill budget to {new} tokens (first tokens need it; {itl_text} leaves room under {target_text})"
+            return BudgetMove(new, why)
+    return BudgetMove(budget)
+
+
 def decide(
     spec: BatchProfileSpec,
     window: Window,
@@ -339,7 +414,9 @@ def decide(
         if kv_ceiling >= bounds.hard_cap.max:
             kv_ceiling = None
     over = ratio > 1.0
-    headroom = ratio < config.headroom_ratio
+    itl = itl_ratio(spec, obs)
+    itl_over = itl > 1.0
+    headroom = ratio < config.headroom_ratio and not itl_over
     headroom_streak = state.headroom_streak + 1 if headroom and pressure is None else 0
     state = replace(state, calm_streak=calm_streak, kv_cap_ceiling=kv_ceiling, headroom_streak=headroom_streak)
 
@@ -348,6 +425,7 @@ def decide(
         return hold(f"{p99_text} vs {slo_text}, but in cooldown for {left:.0f} s more; holding.", state)
 
     target, cap, wait = window.target_batch_size, window.hard_cap, window.max_wait_ms
+    budget = budget_move(spec, window, obs, ratio, config)
     cap_floor = max(bounds.hard_cap.min, bounds.target_batch_size.min)
     running = obs.mean_batch_size if known(obs.mean_batch_size) else math.nan
     queue = obs.queue_depth if known(obs.queue_depth) else 0.0
@@ -388,7 +466,19 @@ def decide(
     elif over and cap_reached and not queue_bound and step_time_s(obs) > config.step_slo_share * slo_s:
         new_cap = _limit_int(cap, cap * (1 - cut), fraction, cap_floor, bounds.hard_cap.max)
         cap_why = f"lowering the cap to {new_cap} (steps of {step_time_s(obs) * 1000:.0f} ms at this batch are too long for the SLO)"
-    elif not over and known(running) and running * config.cap_spare_factor > cap and not soft_full and cap < ceiling:
+    elif itl_over and budget.at_floor and cap_reached and not queue_bound:
+        # The budget cannot shorten steps any further: what is left of a step is the batch's decode.
+        itl_cut = fraction * (1.0 if math.isinf(itl) else min(1.0, max(0.3, itl - 1.0)))
+        new_cap = _limit_int(cap, cap * (1 - itl_cut), fraction, cap_floor, bounds.hard_cap.max)
+        cap_why = f"lowering the cap to {new_cap} (the prefill budget is at its floor and gaps are still too long)"
+    elif (
+        not over
+        and not itl_over
+        and known(running)
+        and running * config.cap_spare_factor > cap
+        and not soft_full
+        and cap < ceiling
+    ):
         # Within the SLO the cap keeps room for a burst of a few times the running batch: a spare
         # slot costs nothing until it is used, and a missing one turns the next burst into a queue.
         new_cap = _limit_int(
@@ -468,10 +558,23 @@ def decide(
     # The tail ratio only rides along with another change: on its own it would be a decision
     # (and a push) for a second-order knob.
     tail = window.tail_mark_ratio
-    if (new_target, new_cap, new_wait) != (target, cap, wait):
+    new_budget = budget.budget
+    if (new_target, new_cap, new_wait, new_budget) != (target, cap, wait, window.max_prefill_tokens):
         tail = _tail_ratio(window, new_wait, obs, fraction, bounds, config)
 
-    if (new_target, new_cap, new_wait, tail) == (target, cap, wait, window.tail_mark_ratio):
+    if (new_target, new_cap, new_wait, tail, new_budget) == (
+        target,
+        cap,
+        wait,
+        window.tail_mark_ratio,
+        window.max_prefill_tokens,
+    ):
+        if itl_over:
+            return hold(
+                f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+                "target, but the budget and the cap are already at their limits; holding.",
+                state,
+            )
         if over:
             return hold(f"{p99_text} over {slo_text}, but the window is already at its limits; holding.", state)
         if confirmed_headroom:
@@ -480,18 +583,26 @@ def decide(
             )
         zone = "under" if headroom else "near"
         return hold(f"{p99_text} {zone} {slo_text} (dead band); holding.", state)
-    direction = _direction(((target, new_target), (cap, new_cap), (wait, new_wait)), over)
+    top = bounds.max_prefill_tokens.max + 1  # an unset budget (whole prompts) is above any set one
+    budgets = (window.max_prefill_tokens or top, new_budget or top)
+    direction = _direction(((target, new_target), (cap, new_cap), (wait, new_wait), budgets), over or itl_over)
     if direction is None:
         direction = "up" if tail > window.tail_mark_ratio else "down"
     if over:
         lead = f"{p99_text} over {slo_text} ({'saturated' if saturated else f'{ratio:.2f}x the SLO'})"
+    elif itl_over:
+        lead = f"{p99_text} within {slo_text}, inter-token P99 over its target"
     elif confirmed_headroom:
         lead = f"{p99_text} well under {slo_text} for {headroom_streak} intervals"
     else:
         lead = f"{p99_text} within {slo_text}"
     actions = "; ".join(
         part
-        for part in (target_why if (new_target, new_wait) != (target, wait) else "", cap_why if new_cap != cap else "")
+        for part in (
+            budget.why if new_budget != window.max_prefill_tokens else "",
+            target_why if (new_target, new_wait) != (target, wait) else "",
+            cap_why if new_cap != cap else "",
+        )
         if part
     )
     if tail != window.tail_mark_ratio:
@@ -499,7 +610,17 @@ def decide(
     if direction == "up":
         state = replace(state, headroom_streak=0)
     return _change(
-        window, new_target, new_cap, new_wait, tail, direction, f"{lead}: {actions}.", state, now_s, estimate
+        window,
+        new_target,
+        new_cap,
+        new_wait,
+        tail,
+        direction,
+        f"{lead}: {actions}.",
+        state,
+        now_s,
+        estimate,
+        new_budget,
     )
 
 
@@ -539,10 +660,13 @@ def _change(
     state: PolicyState,
     now_s: float,
     estimate: FriendlinessEstimate | None,
+    budget: int | Literal["keep"] | None = "keep",
 ) -> Decision:
     target = min(target, cap)
-    fields = (target, cap, wait, tail)
-    if fields == (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.tail_mark_ratio):
+    new_budget = window.max_prefill_tokens if budget == "keep" else budget
+    fields = (target, cap, wait, tail, new_budget)
+    in_force = (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.tail_mark_ratio)
+    if fields == (*in_force, window.max_prefill_tokens):
         return Decision(
             window, "hold", reason.rstrip(".") + ", but the window is already at its limits; holding.", state, estimate
         )
@@ -551,6 +675,7 @@ def _change(
         hard_cap=cap,
         max_wait_ms=wait,
         tail_mark_ratio=tail,
+        max_prefill_tokens=new_budget,
         generation=window.generation + 1,
     )
     return Decision(new_window, direction, reason, replace(state, last_change_s=now_s), estimate)

@@ -87,7 +87,8 @@ class SimConfig:
     ``rate_window_s`` is the PromQL rate window the observations are computed over.
     ``max_sim_s`` stops the run (requests still unfinished count as missing the SLO);
     ``abort_after_misses`` stops it early once that many requests have missed the SLO
-    (the grid search uses it to drop windows that cannot meet the SLO).
+    (the grid search uses it to drop windows that cannot meet the SLO);
+    ``abort_after_gap_misses`` once that many inter-token gaps exceeded ``slo_itl_p99_s``.
     """
 
     cost: CostModel
@@ -100,6 +101,10 @@ class SimConfig:
     max_sim_s: float | None = None
     abort_after_misses: int | None = None
     record_timeline: bool = True
+    # (time, cost model): from that time on steps cost what the second model says (a heavier model
+    # version rolled out mid-replay, say).
+    cost_change: tuple[float, CostModel] | None = None
+    abort_after_gap_misses: int | None = None
 
     def __post_init__(self) -> None:
         if not self.slo_p99_s > 0:
@@ -261,6 +266,9 @@ class Simulator:
         prompt_cache: dict[int, tuple[int, ...]] = {}
         gaps = GapHistogram()
         gap_counts = gaps.counts
+        itl_slo_s = cfg.slo_itl_p99_s if cfg.slo_itl_p99_s is not None else math.inf
+        gap_misses = 0
+        gap_miss_limit = cfg.abort_after_gap_misses if cfg.abort_after_gap_misses is not None else math.inf
 
         def observe(value_s: float) -> None:
             nonlocal misses
@@ -326,7 +334,7 @@ class Simulator:
                 next_tick_s += cfg.interval_s
                 if progress is not None:
                     progress(next_tick_s)
-            if cfg.abort_after_misses is not None and misses > cfg.abort_after_misses:
+            if (cfg.abort_after_misses is not None and misses > cfg.abort_after_misses) or gap_misses > gap_miss_limit:
                 aborted = True
                 break
             if now_s >= end_limit_s:
@@ -346,6 +354,8 @@ class Simulator:
                 continue
             stats = plan.stats
             seqs = plan.seqs
+            if cfg.cost_change is not None and now_s >= cfg.cost_change[0]:
+                cost = cfg.cost_change[1]
             step_s = cost.step_seconds(StepComposition.from_seqs(seqs))
             start_s = now_s
             now_s = start_s + step_s
@@ -387,6 +397,8 @@ class Simulator:
                     gap_s = now_s - last_s
                     itl_buckets[bisect.bisect_left(buckets, gap_s)] += 1
                     gap_counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += 1
+                    if gap_s > itl_slo_s:
+                        gap_misses += 1
                 elif metric == LatencyMetric.TTFT:
                     observe(now_s - record.arrival_s)
                 if math.isnan(record.first_token_s):

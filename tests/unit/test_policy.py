@@ -83,10 +83,25 @@ def spec_and_window(draw: st.DrawFn) -> tuple[BatchProfileSpec, Window]:
     target = draw(st.integers(t_lo, min(t_hi, cap)))
     wait = draw(st.integers(w_lo, w_hi))
     ratio = draw(st.floats(r_lo, r_hi))
+    b_lo = draw(st.integers(1, 4096))
+    b_hi = draw(st.integers(b_lo, 65_536))
+    budget = draw(st.one_of(st.none(), st.integers(b_lo, b_hi)))
+    itl_ms = draw(st.one_of(st.none(), st.floats(5, 2000)))
+    window_fields: dict[str, Any] = {
+        "targetBatchSize": target,
+        "hardCap": cap,
+        "maxWaitMs": wait,
+        "tailMarkRatio": ratio,
+    }
+    if budget is not None:
+        window_fields["maxPrefillTokens"] = budget
+    slo: dict[str, Any] = {"p99Ms": draw(st.floats(50, 10_000))}
+    if itl_ms is not None:
+        slo["interTokenP99Ms"] = itl_ms
     spec = make_spec(
         batchFriendliness=draw(st.sampled_from(["high", "medium", "low", "auto"])),
-        window={"targetBatchSize": target, "hardCap": cap, "maxWaitMs": wait, "tailMarkRatio": ratio},
-        slo={"p99Ms": draw(st.floats(50, 10_000))},
+        window=window_fields,
+        slo=slo,
         tuning={
             "intervalSeconds": 15,
             "cooldownSeconds": draw(st.integers(0, 120)),
@@ -96,6 +111,7 @@ def spec_and_window(draw: st.DrawFn) -> tuple[BatchProfileSpec, Window]:
                 "hardCap": {"min": c_lo, "max": c_hi},
                 "maxWaitMs": {"min": w_lo, "max": w_hi},
                 "tailMarkRatio": {"min": r_lo, "max": r_hi},
+                "maxPrefillTokens": {"min": b_lo, "max": b_hi},
             },
         },
     )
@@ -117,6 +133,8 @@ observations = st.builds(
     kv_usage_ratio=st.one_of(st.just(NAN), st.floats(0.0, 1.0)),
     preemptions_per_s=st.one_of(st.just(NAN), st.floats(0.0, 50.0)),
     tail_marked_share=st.one_of(st.just(NAN), st.floats(0.0, 1.0)),
+    itl_p99_s=st.one_of(st.just(NAN), st.floats(0.0, 5.0)),
+    itl_p99_saturated=st.booleans(),
     step_s_by_batch=st.dictionaries(
         st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256]), st.floats(1e-4, 2.0), max_size=6
     ),
@@ -133,6 +151,63 @@ PROPERTY_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_ch
 
 
 # ---- invariants -------------------------------------------------------------
+
+
+def itl_spec(budget: int | None = 2048, itl_ms: float = 100.0, **bounds: Any) -> tuple[BatchProfileSpec, Window]:
+    window: dict[str, Any] = {"targetBatchSize": 1, "hardCap": 64, "maxWaitMs": 0}
+    if budget is not None:
+        window["maxPrefillTokens"] = budget
+    spec = make_spec(
+        window=window,
+        slo={"p99Ms": 1000, "interTokenP99Ms": itl_ms},
+        tuning={"intervalSeconds": 15, "cooldownSeconds": 30, "maxStepFraction": 0.5, "bounds": bounds},
+    )
+    return spec, Window.from_fields(spec.window, generation=3)
+
+
+def test_inter_token_p99_over_its_target_lowers_the_budget_and_says_so() -> None:
+    spec, window = itl_spec()
+    decision = decide(spec, window, make_obs(0.5, itl_p99_s=0.150, mean_batch_size=8.0), PolicyState(), 100.0)
+    assert decision.direction == "down"
+    # Aimed at 85 % of the target at once: 2048 x 0.85 / 1.5 (deeper than the 25 % severity cut).
+    assert decision.window.max_prefill_tokens == 1161
+    assert "inter-token P99 150 ms over its 100 ms target" in decision.reason
+    assert "prefill budget to 1161" in decision.reason
+    # A small overshoot: 0.85 / 1.05 still cuts deeper than the severity floor (30 % of the step limit).
+    decision = decide(spec, window, make_obs(0.5, itl_p99_s=0.105), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 1658
+
+
+def test_an_unset_budget_counts_as_the_top_of_its_bounds_when_it_must_come_down() -> None:
+    spec, window = itl_spec(budget=None)
+    decision = decide(spec, window, make_obs(0.5, itl_p99_s=0.5, itl_p99_saturated=False), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 8192  # 16384 (the bound) halved: the overshoot is 5x
+
+
+def test_first_tokens_under_pressure_raise_the_budget_towards_the_inter_token_setpoint() -> None:
+    spec, window = itl_spec(budget=1000)
+    # TTFT at 0.8 of its SLO (past the headroom), gaps at 40 % of theirs: room to prefill more per step.
+    decision = decide(spec, window, make_obs(0.8, itl_p99_s=0.040), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 1500  # the step limit (x1.5) binds before the setpoint (x2.1)
+    assert "raising the prefill budget to 1500" in decision.reason
+    # Gaps at 60 %: the setpoint (0.85 / 0.6) binds first.
+    decision = decide(spec, window, make_obs(0.8, itl_p99_s=0.060), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 1416
+
+
+def test_the_budget_holds_when_first_tokens_have_headroom_or_gaps_have_no_room() -> None:
+    spec, window = itl_spec(budget=1000)
+    assert decide(spec, window, make_obs(0.3, itl_p99_s=0.040), PolicyState(), 100.0).window.max_prefill_tokens == 1000
+    assert decide(spec, window, make_obs(0.8, itl_p99_s=0.080), PolicyState(), 100.0).window.max_prefill_tokens == 1000
+
+
+def test_with_the_budget_at_its_floor_the_cap_comes_down_for_gaps() -> None:
+    spec, window = itl_spec(budget=128, maxPrefillTokens={"min": 128, "max": 4096})
+    obs = make_obs(0.5, itl_p99_s=0.3, mean_batch_size=60.0, queue_depth=0.0)
+    decision = decide(spec, window, obs, PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 128
+    assert decision.window.hard_cap == 32
+    assert "prefill budget is at its floor" in decision.reason
 
 
 @PROPERTY_SETTINGS
@@ -166,6 +241,35 @@ def test_each_field_moves_at_most_one_step(
         abs(new.tail_mark_ratio - window.tail_mark_ratio)
         <= allowed_step(window.tail_mark_ratio, fraction, RATIO_MIN_STEP) + 1e-3
     )
+    if window.max_prefill_tokens is not None and new.max_prefill_tokens is not None:
+        old_budget = window.max_prefill_tokens
+        assert abs(new.max_prefill_tokens - old_budget) <= allowed_step(old_budget, fraction, SIZE_MIN_STEP) + 1e-9
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000))
+def test_the_budget_moves_only_for_an_inter_token_objective(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float
+) -> None:
+    spec, window = sw
+    assume(spec.slo.inter_token_p99_ms is None)
+    assume(spec.tuning.bounds.contains(window) == [])
+    assert decide(spec, window, obs, state, now_s).window.max_prefill_tokens == window.max_prefill_tokens
+
+
+@PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000), st.floats(0.0, 5.0), st.floats(0.0, 5.0))
+def test_a_worse_inter_token_p99_never_gives_a_larger_budget(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float, a_s: float, b_s: float
+) -> None:
+    spec, window = sw
+    better, worse = sorted((a_s, b_s))
+    top = spec.tuning.bounds.max_prefill_tokens.max + 1
+    budgets = [
+        decide(spec, window, obs.with_(itl_p99_s=v, itl_p99_saturated=False), state, now_s).window.max_prefill_tokens
+        for v in (better, worse)
+    ]
+    assert (budgets[1] or top) <= (budgets[0] or top)
 
 
 @PROPERTY_SETTINGS
