@@ -131,10 +131,13 @@ def evaluate(
     *,
     cost_change: tuple[float, CostModel] | None = None,
     stop_early: bool = True,
+    step_budget_itl_s: float | None = None,
 ) -> tuple[Outcome, SimResult]:
     """One replay at ``multiplier``: static ``window`` when ``spec`` is None, else the adaptive
     policy of ``spec`` starting from ``window``. ``stop_early`` ends a replay as soon as more
-    requests missed the TTFT target than P99 allows (it cannot meet the SLO any more)."""
+    requests missed the TTFT target than P99 allows (it cannot meet the SLO any more), or more gaps
+    missed the inter-token target. ``step_budget_itl_s`` derives each step's budget from that
+    inter-token target (``simulator.itl_budget_rule``)."""
     replay = scale_arrivals(requests, multiplier)
     n = len(replay)
     allowed_misses = n - math.ceil(0.99 * n) if n else 0
@@ -153,6 +156,7 @@ def evaluate(
         abort_after_gap_misses=allowed_gap_misses if stop_early else None,
         record_timeline=spec is not None,
         cost_change=None if cost_change is None else (cost_change[0] / multiplier, cost_change[1]),
+        step_budget_itl_s=step_budget_itl_s,
     )
     controller = AdaptiveController(spec) if spec is not None else StaticController()
     result = Simulator(replay, window, config, controller).run()

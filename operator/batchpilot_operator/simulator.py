@@ -105,6 +105,9 @@ class SimConfig:
     # version rolled out mid-replay, say).
     cost_change: tuple[float, CostModel] | None = None
     abort_after_gap_misses: int | None = None
+    # A per-step prompt budget derived from an inter-token target (what fits in it after the
+    # step's decodes, from the cost model itself: an oracle no live engine has); None: off.
+    step_budget_itl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.slo_p99_s > 0:
@@ -242,6 +245,8 @@ class Simulator:
         cfg = self.config
         cost = cfg.cost
         sched = Scheduler(cfg.scheduler, self.initial_window)
+        if cfg.step_budget_itl_s is not None:
+            sched.set_step_budget_rule(itl_budget_rule(cost, cfg.step_budget_itl_s))
         window = self.initial_window
         requests = self.requests
         n = len(requests)
@@ -428,6 +433,18 @@ class Simulator:
         return to_observations(
             interval_metrics(recent, cfg.interval_s, cfg.latency_metric, sched), cfg.latency_metric, now_s
         )
+
+
+def itl_budget_rule(cost: CostModel, itl_target_s: float) -> Callable[[int, int], float]:
+    """Prompt tokens that fit in ``itl_target_s`` after a step's decodes (a prompt token also adds
+    a KV token); the step's first chunk may still overrun it when the decodes alone fill it."""
+    per_token_s = cost.per_prefill_token_s + cost.per_kv_token_s
+
+    def rule(decode_seqs: int, decode_kv_tokens: int) -> float:
+        left_s = itl_target_s - cost.step_seconds(StepComposition(0, decode_seqs, decode_kv_tokens))
+        return math.inf if per_token_s <= 0 else max(0.0, left_s / per_token_s)
+
+    return rule
 
 
 def interval_metrics(

@@ -63,7 +63,11 @@ Chunked prefill
     The main window's ``maxPrefillTokens`` (or, when the window leaves it unset,
     ``max_prefill_tokens_per_step``, the pod's start-up budget) bounds the prompt (and recompute)
     tokens of one step; decodes do not count against it; lane windows' budgets are not used (the
-    budget is the step's, shared by every lane). A new window's budget applies from the next step. Order: (1) every decoding sequence feeds its last sampled token,
+    budget is the step's, shared by every lane). A new window's budget applies from the next step.
+    A *step budget rule* (``set_step_budget_rule``), when set, lowers a step's budget further to
+    what it returns for that step's decodes: (number of decoding sequences, their KV tokens) ->
+    prompt tokens. The simulator uses it to compare a budget derived per step from an inter-token
+    target with the window's fixed one. Order: (1) every decoding sequence feeds its last sampled token,
     (2) running sequences with prompt tokens left, oldest admitted first, (3) new admissions, with
     what budget is left. A sequence whose chunk does not end its prompt gets ``sample=False``.
     The whole prompt's KV blocks are allocated at admission, so chunks never run out of KV.
@@ -95,7 +99,7 @@ import bisect
 import enum
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -426,6 +430,7 @@ class Scheduler:
         self._num_waiting = 0
         self._admit_times_s: deque[float] = deque(maxlen=_ADMISSION_RATE_SAMPLES)
         self._last_now_s = -math.inf
+        self._step_budget_rule: Callable[[int, int], float] | None = None
 
     # ----------------------------------------------------------------- read-only state
 
@@ -577,6 +582,10 @@ class Scheduler:
             self._lane_windows = lanes
         self._rebuild_lanes(self._lane_windows)
 
+    def set_step_budget_rule(self, rule: Callable[[int, int], float] | None) -> None:
+        """Lower each step's prompt budget to ``rule(decoding sequences, their KV tokens)``; None: off."""
+        self._step_budget_rule = rule
+
     def _step_budget(self, window: Window) -> float:
         budget = window.max_prefill_tokens or self.config.max_prefill_tokens_per_step
         return math.inf if budget is None else float(budget)
@@ -616,6 +625,7 @@ class Scheduler:
         budget = self._budget_tokens
         # 2. Every decoding sequence feeds its last token; prefilling ones wait for phase 3.
         prefilling: list[_Seq] = []
+        decode_kv_tokens = 0
         running_status = SeqStatus.RUNNING
         allocate = self._kv.allocate
         add_seq = acc.seqs.append
@@ -630,8 +640,11 @@ class Scheduler:
                     if table is None:
                         continue
                 add_seq(ScheduledSeq(seq.request_id, (seq.outputs[-1],), computed, table, True, False))
+                decode_kv_tokens += computed + 1
             else:
                 prefilling.append(seq)
+        if self._step_budget_rule is not None and acc.seqs:
+            budget = min(budget, max(0.0, self._step_budget_rule(len(acc.seqs), decode_kv_tokens)))
         # 3. Prompt chunks of running sequences, oldest admitted first, under the token budget.
         for seq in prefilling:
             if seq.status is SeqStatus.RUNNING and budget > 0:

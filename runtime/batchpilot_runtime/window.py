@@ -14,7 +14,7 @@ from pydantic.alias_generators import to_camel
 MAX_BATCH_SIZE = 4096
 MAX_WAIT_MS_LIMIT = 60_000
 MAX_TAIL_MARK_RATIO = 100.0
-MAX_PREFILL_TOKENS_LIMIT = 1_048_576
+MAX_PREFILL_TOKENS_LIMIT = 262_144
 
 
 class CamelModel(BaseModel):

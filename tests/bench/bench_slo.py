@@ -12,12 +12,17 @@ Policies:
   the chat window of the project's examples);
 - ``engine_defaults``: vLLM's defaults for this GPU held static, target 1 and no wait (vLLM admits
   whenever a slot is free): ``max_num_seqs`` 256 and ``max_num_batched_tokens`` 2048 on an A100
-  behind the OpenAI API server (``vllm/engine/arg_utils.py``, the usage-context defaults; H100-class
-  GPUs get 1024 and 8192);
+  behind the OpenAI API server (``vllm/engine/arg_utils.py``, ``EngineArgs.get_batch_defaults``:
+  GPUs of 70 GiB or more other than the A100, H100-class, get 1024 and 8192; "setting large
+  max_num_batched_tokens for A100 reduces throughput", vLLM PR #17885);
 - ``best_static``: the best window in hindsight, searched over cap x budget (x wait in the full run)
   at this cell's own capacity;
 - ``tuned_elsewhere``: the best static window of the *other* replay applied here (a window tuned on
-  one day and kept on another).
+  one day and kept on another);
+- ``per_step_itl``: the other form the budget could take: each step prefills what fits in 95 % of
+  the inter-token target after its decodes (unlimited when nothing decodes), cap 256, no wait.
+  It reads the step costs from the cost model itself, an oracle a live engine would have to
+  learn online: a reference for the token-form budget ``adaptive`` tunes, not a deployable policy.
 
 Replays: the shared Azure conversation trace (first 30 minutes; 10 with ``--quick``), and a day
 compressed from the shared ServeGen data (m-large, the day whose prompt lengths drift most: the
@@ -67,6 +72,8 @@ FULL_BUDGETS = (256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192, None)
 QUICK_CAPS = (256,)
 FULL_CAPS = (64, 128, 256)
 FULL_WAITS = (0, 20)
+PER_STEP_WINDOW = Window(target_batch_size=1, hard_cap=256, max_wait_ms=0)
+PER_STEP_FRACTION = 0.95
 STEP_COST_FACTOR = 1.5
 RECOVERY_RUN = 4
 
@@ -92,16 +99,29 @@ class Job:
     tolerance: float
     candidates: tuple[Window, ...] = ()  # best_static: the grid
 
+    @property
+    def step_itl_s(self) -> float | None:
+        return PER_STEP_FRACTION * self.slo.itl_p99_s if self.policy == "per_step_itl" else None
+
 
 def _meets(job: Job, window: Window, adaptive: bool, multiplier: float) -> bool:
     spec = dual_slo_spec(job.slo, window) if adaptive else None
-    outcome, _ = evaluate(job.requests, multiplier, job.slo, job.cost, window, spec)
+    outcome, _ = evaluate(job.requests, multiplier, job.slo, job.cost, window, spec, step_budget_itl_s=job.step_itl_s)
     return outcome.meets
 
 
 def _at(job: Job, window: Window, adaptive: bool, multiplier: float) -> Outcome:
     spec = dual_slo_spec(job.slo, window) if adaptive else None
-    outcome, _ = evaluate(job.requests, max(multiplier, 0.02), job.slo, job.cost, window, spec, stop_early=False)
+    outcome, _ = evaluate(
+        job.requests,
+        max(multiplier, 0.02),
+        job.slo,
+        job.cost,
+        window,
+        spec,
+        stop_early=False,
+        step_budget_itl_s=job.step_itl_s,
+    )
     return outcome
 
 
@@ -261,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         + jobs_for("engine_defaults", ENGINE_DEFAULTS)
         + jobs_for("starting_window", STARTING_WINDOW)
         + jobs_for("best_static", None, candidates)
+        + jobs_for("per_step_itl", PER_STEP_WINDOW)
     )
     results = _run(jobs, args.workers)
     # A window tuned on the other replay (when there are two).
@@ -316,7 +337,7 @@ def _report(
     for key, cell in cells.items():
         policies = cell["policies"]
         adaptive = policies["adaptive"]["capacity"]
-        for other in ("best_static", "engine_defaults", "starting_window", "tuned_elsewhere"):
+        for other in ("best_static", "engine_defaults", "starting_window", "tuned_elsewhere", "per_step_itl"):
             if other in policies and policies[other]["capacity"] > 0:
                 cell[f"adaptive_over_{other}"] = adaptive / policies[other]["capacity"]
         if "adaptive_over_best_static" in cell:
@@ -352,7 +373,7 @@ def _report(
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    order = ("adaptive", "best_static", "engine_defaults", "starting_window", "tuned_elsewhere")
+    order = ("adaptive", "best_static", "engine_defaults", "starting_window", "tuned_elsewhere", "per_step_itl")
     print(f"SLO capacity (arrival-rate multiplier), A100 Llama-2-7B step costs; {report['wall_s']:.0f} s")
     print(f"{'replay':16} {'SLO':12} " + " ".join(f"{p:>16}" for p in order))
     for cell in report["cells"].values():
@@ -376,7 +397,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ("adaptive", "best_static", "engine_defaults", "starting_window", "tuned_elsewhere")
+    order = ("adaptive", "best_static", "engine_defaults", "starting_window", "tuned_elsewhere", "per_step_itl")
     cells = list(report["cells"].values())
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(order)

@@ -323,6 +323,25 @@ def test_a_window_budget_on_a_pod_without_one_chunks_prompts_and_decodes_stay_ou
     assert chunks(plan) == [("r0", 4, 1, True, False), ("r1", 2, 2, True, True)]
 
 
+def test_a_step_budget_rule_lowers_the_budget_to_what_fits_after_the_decodes() -> None:
+    scheduler = make_scheduler(target=1, cap=4, budget=100)
+    seen: list[tuple[int, int]] = []
+
+    def rule(decodes: int, kv_tokens: int) -> float:
+        seen.append((decodes, kv_tokens))
+        return 12 - 4 * decodes
+
+    scheduler.set_step_budget_rule(rule)
+    scheduler.add_request(make_requests(1, prompt_tokens=5, max_new=4)[0])
+    plan, _ = step(scheduler, 0.0)
+    assert chunks(plan) == [("r0", 0, 5, True, True)]  # nothing decodes: the window's budget alone
+    assert seen == []
+    scheduler.add_request(make_requests(1, prompt_tokens=30, max_new=2, start=1)[0])
+    plan, _ = step(scheduler, 1.0)
+    assert chunks(plan) == [("r0", 5, 1, True, False), ("r1", 0, 8, False, True)]  # 12 - 4 x 1 decode
+    assert seen == [(1, 6)]  # one decode, whose KV holds 5 prompt tokens + the token it feeds
+
+
 def test_chunks_carry_the_prompt_tokens_and_the_whole_block_table() -> None:
     scheduler = make_scheduler(target=1, budget=3, block_size=4)
     scheduler.add_request(SchedRequest("a", (5, 6, 7, 8, 9), 2, 0.0))
