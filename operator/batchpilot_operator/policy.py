@@ -64,13 +64,16 @@ iteration-level engine trades: a long prompt prefilled in one step stalls every 
 step (inter-token gap), a small budget spreads it over many steps (first token later). It moves
 only for an SLO with ``interTokenP99Ms``. Over the inter-token target it comes down at once, by
 a cut that grows with the overshoot and at least reaches the budget that would put the gap at
-85 % of its target, the gap growing about linearly with a step's prompt tokens; when it is already at its lower bound and the batch is at
-its cap, the cap comes down instead (the decode part of a step grows with the batch). With the
-inter-token P99 under 70 % of its target while the first-token P99 is past its headroom (the
-TTFT side needs help), it rises towards the budget that puts the inter-token P99 at 85 % of its
-target (the gap grows about linearly with the prompt tokens of a step), by at most the step
-limit. Otherwise it holds: a budget raised while nothing contends would only show its cost at
-the next burst. An unset budget (whole prompts) counts as the top of its bounds.
+85 % of its target (the gap grows about linearly with a step's prompt tokens); when it is
+already at its lower bound and the batch is at its cap, the cap comes down instead (the decode
+part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise past
+it again until the gaps have stayed within target for 20 intervals, then by one step at a time
+(as the memory ceiling of the cap), because the gap's P99 is set by the longest prompts, which a
+raise only meets at the next burst. With the inter-token P99 under 70 % of its target while the
+first-token P99 is past its headroom (the TTFT side needs help), the budget rises towards the
+one that puts the inter-token P99 at 85 % of its target, by at most the step limit and never
+past the ceiling. Otherwise it holds: a budget raised while nothing contends would only show its
+cost at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
 
 Every field moves at most ``maxStepFraction`` of its value per decision (or one unit
 --- one sequence, 5 ms, 0.1 --- when that is larger, so that a field at 0 or 1 can
@@ -121,6 +124,7 @@ class PolicyConfig:
     busy_share_no_wait: float = 0.5  # decoding this share of the time or more, a wait buys nothing
     itl_raise_ratio: float = 0.7  # the budget may rise only with the inter-token P99 under this share of its target
     itl_setpoint_ratio: float = 0.85  # ... and towards the budget that puts it at this share
+    budget_ceiling_calm_intervals: int = 20  # gaps within target this long before the budget ceiling lifts
 
 
 DEFAULT_CONFIG = PolicyConfig()
@@ -134,6 +138,8 @@ class PolicyState:
     headroom_streak: int = 0
     calm_streak: int = 0
     kv_cap_ceiling: int | None = None
+    budget_ceiling: int | None = None  # the budget a too-long gap last brought it down to
+    itl_calm_streak: int = 0
     step_curve: tuple[tuple[int, float], ...] = ()
     decisions: int = 0
 
@@ -321,7 +327,12 @@ def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
 
 
 def budget_move(
-    spec: BatchProfileSpec, window: Window, obs: Observations, ttft_ratio: float, config: PolicyConfig
+    spec: BatchProfileSpec,
+    window: Window,
+    obs: Observations,
+    ttft_ratio: float,
+    config: PolicyConfig,
+    ceiling: int | None = None,
 ) -> BudgetMove:
     """The budget from the two tails: see the module docstring."""
     budget = window.max_prefill_tokens
@@ -346,9 +357,10 @@ def budget_move(
             return BudgetMove(budget, itl_over=True, at_floor=new <= bound.min)
         why = f"lowering the prefill budget to {new} tokens ({itl_text} over its {target_text} target)"
         return BudgetMove(new, why, itl_over=True, at_floor=new <= bound.min)
+    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
     if budget is not None and ratio < config.itl_raise_ratio and ttft_ratio > config.headroom_ratio:
         desired = current * min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
-        new = _limit_int(current, desired, fraction, bound.min, bound.max)
+        new = _limit_int(current, desired, fraction, bound.min, top)
         if new > budget:
             why = f"raising the prefill budget to {new} tokens (first tokens need it; {itl_text} leaves room under {target_text})"
             return BudgetMove(new, why)
@@ -418,14 +430,32 @@ def decide(
     itl_over = itl > 1.0
     headroom = ratio < config.headroom_ratio and not itl_over
     headroom_streak = state.headroom_streak + 1 if headroom and pressure is None else 0
-    state = replace(state, calm_streak=calm_streak, kv_cap_ceiling=kv_ceiling, headroom_streak=headroom_streak)
+    # The same for the budget: a gap over its target sets a ceiling, lifted a step after calm.
+    itl_calm_streak = state.itl_calm_streak + 1 if itl <= 1.0 else 0
+    budget_ceiling = state.budget_ceiling
+    if budget_ceiling is not None and itl_calm_streak >= config.budget_ceiling_calm_intervals:
+        budget_ceiling = math.floor(budget_ceiling + allowed_step(budget_ceiling, fraction, SIZE_MIN_STEP))
+        itl_calm_streak = 0
+        if budget_ceiling >= bounds.max_prefill_tokens.max:
+            budget_ceiling = None
+    state = replace(
+        state,
+        calm_streak=calm_streak,
+        kv_cap_ceiling=kv_ceiling,
+        headroom_streak=headroom_streak,
+        budget_ceiling=budget_ceiling,
+        itl_calm_streak=itl_calm_streak,
+    )
 
     if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
         left = spec.tuning.cooldown_seconds - (now_s - state.last_change_s)
         return hold(f"{p99_text} vs {slo_text}, but in cooldown for {left:.0f} s more; holding.", state)
 
     target, cap, wait = window.target_batch_size, window.hard_cap, window.max_wait_ms
-    budget = budget_move(spec, window, obs, ratio, config)
+    budget = budget_move(spec, window, obs, ratio, config, state.budget_ceiling)
+    if budget.itl_over and budget.budget is not None:
+        # Raises stop below what was too much, until the gaps have been calm for a while.
+        state = replace(state, budget_ceiling=budget.budget, itl_calm_streak=0)
     cap_floor = max(bounds.hard_cap.min, bounds.target_batch_size.min)
     running = obs.mean_batch_size if known(obs.mean_batch_size) else math.nan
     queue = obs.queue_depth if known(obs.queue_depth) else 0.0

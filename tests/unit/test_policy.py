@@ -195,6 +195,24 @@ def test_first_tokens_under_pressure_raise_the_budget_towards_the_inter_token_se
     assert decision.window.max_prefill_tokens == 1416
 
 
+def test_a_cut_sets_a_ceiling_that_raises_respect_until_the_gaps_have_been_calm() -> None:
+    spec, window = itl_spec(budget=2000)
+    cut = decide(spec, window, make_obs(0.5, itl_p99_s=0.17), PolicyState(), 100.0)
+    assert cut.window.max_prefill_tokens == 1000  # the step limit (x0.5) binds before 0.85 / 1.7
+    assert cut.state.budget_ceiling == 1000
+    # Later, first tokens under pressure and gaps with room: no raise past the ceiling.
+    pressure = make_obs(0.8, itl_p99_s=0.040)
+    held = decide(spec, cut.window, pressure, cut.state, 200.0)
+    assert held.window.max_prefill_tokens == 1000
+    # After 20 calm intervals the ceiling lifts by one step (x1.5) and the raise may follow it.
+    state = held.state
+    for i in range(19):
+        state = decide(spec, cut.window, make_obs(0.3, itl_p99_s=0.040), state, 300.0 + 15 * i).state
+    lifted = decide(spec, cut.window, pressure, state, 1000.0)
+    assert lifted.state.budget_ceiling == 1500
+    assert lifted.window.max_prefill_tokens == 1500
+
+
 def test_the_budget_holds_when_first_tokens_have_headroom_or_gaps_have_no_room() -> None:
     spec, window = itl_spec(budget=1000)
     assert decide(spec, window, make_obs(0.3, itl_p99_s=0.040), PolicyState(), 100.0).window.max_prefill_tokens == 1000
