@@ -101,6 +101,36 @@ def test_the_operator_decided_in_both_phases(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+def test_the_report_has_both_tails_the_budget_and_the_surge(report: dict[str, Any]) -> None:
+    """chat runs under two SLOs on engine defaults with a prompt-token budget, with a surge in its
+    arrivals: the report has its inter-token series and the budget over time in both phases.
+    Whether adaptive beats static depends on the machine, so only the record is checked here."""
+    models = {m["name"]: m for m in report["models"]}
+    chat = models["chat"]
+    assert chat["slo_itl_p99_ms"] is not None and chat["window_label"] == "engine defaults"
+    assert "budget" in chat["window"] and chat["surge"].startswith("surge x")
+    start, end = chat["surge_s"]
+    assert 0 < start < end < report["run"]["phase_replay_s"]
+    assert models["bulk"]["surge_s"] is None
+    static, adaptive = report["phases"]
+    for phase in (static, adaptive):
+        result = next(r for r in phase["models"] if r["model"] == "chat")
+        series = result["series"]
+        assert len(series["itl_p99_ms"]) == len(series["t_s"]) == len(series["max_prefill_tokens"])
+        assert any(v is not None for v in series["itl_p99_ms"]), phase["mode"]
+        assert result["itl_p99_ms"] is not None and result["itl_slo_met_share"] is not None
+        assert all(b is not None and b >= 1 for b in series["max_prefill_tokens"]), phase["mode"]
+    # The static phase holds the starting budget throughout.
+    static_chat = next(r for r in static["models"] if r["model"] == "chat")
+    assert set(static_chat["series"]["max_prefill_tokens"]) == {static_chat["window_start"]["max_prefill_tokens"]}
+    assert any(row["figure"] == "Inter-token P99" and row["model"] == "chat" for row in report["comparison"])
+    # A decision's budget is the one its window names.
+    for decision in adaptive["decisions"]:
+        if decision["model"] == "chat" and decision["window"]:
+            assert (decision["budget"] is not None) == ("budget=" in decision["window"])
+
+
+@pytest.mark.slow
 def test_children_are_gone(demo: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     _, out_dir = demo
     pids = [json.loads(p.read_text())["pid"] for p in (out_dir / "run").glob("*.ready.json")]

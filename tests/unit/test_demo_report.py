@@ -35,11 +35,19 @@ from batchpilot_operator.demo.series import (
     snapshot_from_exposition,
     summarize_model_phase,
 )
-from batchpilot_operator.demo.settings import DemoSettings, default_models, duration_from_env, plan_arrivals
+from batchpilot_operator.demo.settings import (
+    DemoSettings,
+    Surge,
+    default_models,
+    duration_from_env,
+    plan_arrivals,
+    warp_arrival,
+)
 from batchpilot_operator.local import print_decision
 from batchpilot_operator.policy import Decision, PolicyState
 from batchpilot_operator.profile import parse_manifest
 from batchpilot_runtime.loadgen import OUTCOMES, summarize
+from batchpilot_runtime.trace import TraceRequest
 from batchpilot_runtime.window import Window
 
 BOUNDS_S = [0.01, 0.05, 0.1, 0.5, 1.0]
@@ -60,6 +68,8 @@ def make_series(p99_ms: float, target: int) -> dict[str, Any]:
         "target_batch_size": [float(target)] * 4,
         "hard_cap": [float(target * 2)] * 4,
         "max_wait_ms": [50.0, 50.0, 20.0, 20.0],
+        "itl_p99_ms": [p99_ms / 10, None, p99_ms / 8, p99_ms / 12],
+        "max_prefill_tokens": [1024.0, 1024.0, 512.0, 512.0] if target == 4 else [1024.0] * 4,
     }
 
 
@@ -85,6 +95,9 @@ def make_model_result(name: str, mode: str, p99_ms: float, tokens_per_s: float) 
         "series": make_series(p99_ms, 8 if mode == "static" else 4),
         "decode_batch_size": {"upper_bounds": BATCH_BOUNDS, "counts": [5.0, 10.0, 20.0, 3.0, 0.0]},
         "queue_wait_s": {"upper_bounds": BOUNDS_S, "counts": [20.0, 10.0, 5.0, 2.0, 1.0, 0.0]},
+        "itl_p50_ms": round(p99_ms / 40, 2),
+        "itl_p99_ms": round(p99_ms / 10, 2),
+        "itl_slo_met_share": 0.995 if mode == "adaptive" else 0.97,
     }
 
 
@@ -107,7 +120,8 @@ def make_report() -> DemoReport:
                             "model": "chat",
                             "direction": "down",
                             "reason": "P99 1.2 s over the SLO <800 ms>",
-                            "window": "target=4 cap=8",
+                            "window": "target=4 cap=8 budget=512",
+                            "budget": 512,
                         }
                     ]
                     if mode == "adaptive"
@@ -140,6 +154,10 @@ def make_report() -> DemoReport:
                     "window": "target 8, cap 16, wait 50 ms",
                     "requests": 40,
                     "description": "<a hand-made model>",
+                    "slo_itl_p99_ms": 50.0 if name == "chat" else None,
+                    "window_label": "engine defaults" if name == "chat" else "the profile's starting window",
+                    "surge": "surge x2.5 from 8 s to 14 s" if name == "chat" else "",
+                    "surge_s": [8.0, 14.0] if name == "chat" else None,
                 }
                 for name, slo, _ in [(n, p * 2, t) for n, p, t in models]
             ],
@@ -200,7 +218,7 @@ def test_comparison_cells_equal_the_json(written: tuple[Path, Path]) -> None:
     stored = json.loads(json_path.read_text())
     cells = parse_cells(html_path.read_text()).cells
     by_key = {(c["model"], c["figure"], c["mode"]): text for c, text in cells if "figure" in c}
-    assert len(stored["comparison"]) == 24
+    assert len(stored["comparison"]) == 28
     for row in stored["comparison"]:
         assert number(by_key[(row["model"], row["figure"], "static")]) == row["static"]
         assert number(by_key[(row["model"], row["figure"], "adaptive")]) == row["adaptive"]
@@ -218,6 +236,27 @@ def test_comparison_rows_come_from_the_phases() -> None:
     assert rows[("chat", "Lost requests")].static == 0.0
     assert rows[("chat", "Window changes")].adaptive == 2.0
     assert rows[("bulk", "Peak KV usage")].adaptive == 41.0
+    itl = rows[("chat", "Inter-token P99")]
+    assert (itl.static, itl.adaptive) == (42.0, 25.2)
+    gaps = rows[("chat", "Gaps within the inter-token SLO")]
+    assert (gaps.static, gaps.adaptive) == (97.0, 99.5)
+
+
+@pytest.mark.slow
+def test_report_names_both_slos_the_static_window_the_surge_and_the_budget(written: tuple[Path, Path]) -> None:
+    html_path, json_path = written
+    text = html_path.read_text()
+    assert "ttft P99 ≤ 840 ms; inter-token P99 ≤ 50 ms" in text
+    assert "engine defaults: target 8, cap 16, wait 50 ms" in text
+    assert "surge x2.5 from 8 s to 14 s" in text
+    assert "static</code>: chat: engine defaults; bulk: the profile&#x27;s starting window" in text
+    # The decision's budget is printed in its own cell, as stored.
+    budgets = [(c, t) for c, t in parse_cells(text).cells if "budget-at" in c]
+    assert budgets == [({"model": "chat", "mode": "adaptive", "budget-at": "6"}, "512")]
+    stored = json.loads(json_path.read_text())
+    adaptive_chat = stored["phases"][1]["models"][0]
+    assert adaptive_chat["series"]["itl_p99_ms"] == [25.2, None, 31.5, 21.0]
+    assert adaptive_chat["series"]["max_prefill_tokens"] == [1024.0, 1024.0, 512.0, 512.0]
 
 
 @pytest.mark.slow
@@ -287,6 +326,15 @@ batchpilot_requests_total{model="chat",outcome="completed"} 11
 batchpilot_requests_total{model="chat",outcome="error"} 1
 # TYPE batchpilot_queue_depth gauge
 batchpilot_queue_depth{model="chat"} 4
+# TYPE batchpilot_inter_token_seconds histogram
+batchpilot_inter_token_seconds_bucket{model="chat",lane="default",le="0.01"} 90
+batchpilot_inter_token_seconds_bucket{model="chat",lane="default",le="0.05"} 99
+batchpilot_inter_token_seconds_bucket{model="chat",lane="default",le="+Inf"} 100
+batchpilot_inter_token_seconds_count{model="chat",lane="default"} 100
+batchpilot_inter_token_seconds_sum{model="chat",lane="default"} 0.9
+# TYPE batchpilot_window_max_prefill_tokens gauge
+batchpilot_window_max_prefill_tokens{model="chat"} 256
+batchpilot_window_max_prefill_tokens{model="bulk"} 0
 """
 
 
@@ -304,10 +352,27 @@ def test_snapshot_sums_lanes_and_keeps_one_model() -> None:
     assert share_at_most(histogram, 0.55) == pytest.approx((4 + 3) / 11)
 
 
+def test_snapshot_reads_the_inter_token_histogram_and_the_budget_gauge() -> None:
+    chat = snapshot_from_exposition(EXPOSITION, "chat", 2.0)
+    gaps = histogram_between(None, chat, "batchpilot_inter_token_seconds")
+    assert gaps.counts == [90.0, 9.0, 1.0]
+    assert quantile_ms(gaps, 0.99) == 50.0
+    assert chat.budget() == 256
+    # The runtime's 0 means whole prompts: no budget.
+    assert snapshot_from_exposition(EXPOSITION, "bulk", 2.0).budget() is None
+
+
 # ---- the pure parts the report is built from ------------------------------------------------
 
 
-def make_snapshot(at_s: float, completed: float, ttft_buckets: dict[float, float], tokens: float) -> Snapshot:
+def make_snapshot(
+    at_s: float,
+    completed: float,
+    ttft_buckets: dict[float, float],
+    tokens: float,
+    itl_buckets: dict[float, float] | None = None,
+    budget: float = 0.0,
+) -> Snapshot:
     return Snapshot(
         at_s=at_s,
         gauges={
@@ -317,6 +382,7 @@ def make_snapshot(at_s: float, completed: float, ttft_buckets: dict[float, float
             "batchpilot_window_hard_cap": 16.0,
             "batchpilot_window_max_wait_seconds": 0.05,
             "batchpilot_window_generation": 3.0,
+            "batchpilot_window_max_prefill_tokens": budget,
         },
         counters={
             "batchpilot_requests_total:completed": completed,
@@ -324,7 +390,7 @@ def make_snapshot(at_s: float, completed: float, ttft_buckets: dict[float, float
             "batchpilot_batch_size:decode_sum": tokens,
             "batchpilot_batch_size:decode_count": tokens / 4,
         },
-        histograms={"batchpilot_ttft_seconds": ttft_buckets},
+        histograms={"batchpilot_ttft_seconds": ttft_buckets, "batchpilot_inter_token_seconds": itl_buckets or {}},
     )
 
 
@@ -359,6 +425,37 @@ def test_phase_summary_is_the_difference_of_its_first_and_last_snapshots() -> No
     assert result.window_end is not None and result.window_end.max_wait_ms == 50.0
     assert result.series.t_s == [2.0, 4.0]
     assert result.kv_usage_max == 0.25
+    # No inter-token SLO, no gaps, no budget: unknown, not zero.
+    assert (result.itl_p99_ms, result.itl_slo_met_share) == (None, None)
+    assert result.series.itl_p99_ms == [None, None]
+    assert result.series.max_prefill_tokens == [None, None]
+    assert result.window_end is not None and result.window_end.max_prefill_tokens is None
+
+
+def test_phase_summary_has_the_inter_token_tail_and_the_budget_over_time() -> None:
+    snapshots = [
+        make_snapshot(0.0, 0, {}, 0.0, {0.01: 0.0, 0.1: 0.0, math.inf: 0.0}, budget=1024.0),
+        make_snapshot(10.0, 10, {}, 200.0, {0.01: 80.0, 0.1: 100.0, math.inf: 100.0}, budget=1024.0),
+        make_snapshot(20.0, 20, {}, 400.0, {0.01: 160.0, 0.1: 200.0, math.inf: 200.0}, budget=256.0),
+    ]
+    result = summarize_model_phase(
+        model="chat",
+        latency_metric="ttft",
+        slo_p99_ms=500.0,
+        slo_itl_p99_ms=55.0,
+        snapshots=snapshots,
+        load=LoadCounts(sent=20, accepted=20, completed=20, errors=0, rejected=0),
+        decisions=[],
+        series_window_s=10.0,
+    )
+    # 200 gaps: 160 at <= 10 ms, 40 in (10 ms, 100 ms]; 55 ms is half-way through that bucket.
+    assert result.itl_p99_ms == round_figure(10.0 + 90.0 * 38.0 / 40.0)
+    assert result.itl_slo_met_share == round_figure((160 + 20) / 200)
+    # Per trailing 10 s: the first window's 20 of 100 slow gaps, then the second's 20 of 100.
+    assert result.series.itl_p99_ms == [round_figure(10.0 + 90.0 * 19.0 / 20.0)] * 2
+    assert result.series.max_prefill_tokens == [1024.0, 256.0]
+    assert result.window_start is not None and result.window_start.max_prefill_tokens == 1024
+    assert result.window_end is not None and result.window_end.describe().endswith("budget 256 tokens")
 
 
 def test_local_mode_decision_lines_are_read_and_other_lines_are_not() -> None:
@@ -377,6 +474,30 @@ def test_local_mode_decision_lines_are_read_and_other_lines_are_not() -> None:
     assert parse_decision_line(line.replace("model=chat", "model=other"), models) is None
     as_json = parse_decision_line('{"model": "bulk", "direction": "up", "reason": "headroom"}', models)
     assert as_json == ParsedDecision("bulk", "up", "headroom", None)
+    assert parsed.budget is None  # no budget=N: whole prompts
+
+
+def test_the_budget_is_read_from_decision_lines() -> None:
+    line = (
+        "14:27:04 demo/chat model=chat mode=adaptive down: target=1 cap=256 wait=0ms tail=2x budget=384 gen=3 - "
+        "lowering the prefill budget to 384 tokens (inter-token P99 61 ms over its 40 ms target)"
+    )
+    parsed = parse_decision_line(line, ["chat"])
+    assert parsed is not None and parsed.budget == 384
+    assert parsed.reason.startswith("lowering the prefill budget to 384 tokens")
+    as_json = parse_decision_line(
+        json.dumps(
+            {
+                "model": "chat",
+                "direction": "down",
+                "reason": "over",
+                "window": {"targetBatchSize": 1, "hardCap": 256, "maxWaitMs": 0, "maxPrefillTokens": 96},
+            }
+        ),
+        ["chat"],
+    )
+    assert as_json is not None and as_json.budget == 96
+    assert as_json.window is not None and "budget=96" in as_json.window
 
 
 def test_load_counts_call_a_broken_stream_lost() -> None:
@@ -395,6 +516,14 @@ def test_demo_profiles_are_valid_batch_profiles(mode: str) -> None:
         assert name == model.name
         assert spec.tuning.mode.value == mode
         assert spec.window == model.window
+        assert spec.slo.inter_token_p99_ms == model.slo_itl_p99_ms
+    chat = next(m for m in default_models() if m.name == "chat")
+    # chat starts on engine defaults with a budget, under both SLOs, and the operator may move the budget.
+    assert chat.window.max_prefill_tokens is not None and chat.slo_itl_p99_ms is not None
+    assert chat.window_label == "engine defaults"
+    _, _, spec = parse_manifest(chat.profile_manifest(mode))
+    assert spec.tuning.bounds.max_prefill_tokens.contains(chat.window.max_prefill_tokens)
+    assert spec.tuning.bounds.max_prefill_tokens.min < chat.window.max_prefill_tokens
 
 
 def test_both_phases_replay_the_same_arrivals_at_each_models_rate() -> None:
@@ -406,6 +535,43 @@ def test_both_phases_replay_the_same_arrivals_at_each_models_rate() -> None:
         assert arrivals.requests[0].arrival_s == 0.0
         assert arrivals.requests[-1].arrival_s == pytest.approx(30.0)
         assert max(r.output_tokens for r in arrivals.requests) <= model.max_output_tokens
+        assert [r.arrival_s for r in arrivals.requests] == sorted(r.arrival_s for r in arrivals.requests)
+
+
+def test_the_surge_is_in_both_phases_arrivals_at_its_factor() -> None:
+    """On an even trace (one request a second) the surge's stretch holds ``factor`` times the
+    arrivals per second of the rest, the same in both phases, and the phase keeps its length."""
+    even = [TraceRequest(arrival_s=float(i), prompt_tokens=2000, output_tokens=10) for i in range(2000)]
+    settings = DemoSettings(duration_s=120.0, out_dir=Path("unused"), live=False)
+    first, second = plan_arrivals(settings, even), plan_arrivals(settings, even)
+    assert [a.requests for a in first] == [a.requests for a in second]
+    chat = next(a for a in first if a.model == "chat")
+    model = next(m for m in default_models() if m.name == "chat")
+    assert chat.surge == Surge(0.4 * 60.0, 0.7 * 60.0, model.surge_factor)
+    assert model.surge_factor >= 2.0
+    times = [r.arrival_s for r in chat.requests]
+    assert len(times) == round(model.arrival_rate_per_s * 60.0)
+    assert times[0] == 0.0 and times[-1] == pytest.approx(60.0)
+    inside = sum(1 for t in times if chat.surge.start_s <= t < chat.surge.end_s)
+    outside = len(times) - inside
+    inside_rate = inside / (chat.surge.end_s - chat.surge.start_s)
+    outside_rate = outside / (60.0 - (chat.surge.end_s - chat.surge.start_s))
+    assert inside_rate / outside_rate == pytest.approx(model.surge_factor, rel=0.05)
+    # Prompts are the trace's at the model's token scale, clamped: long enough for the budget to matter.
+    assert {r.prompt_tokens for r in chat.requests} == {min(model.max_prompt_tokens, round(2000 * model.token_scale))}
+    bulk = next(a for a in first if a.model == "bulk")
+    assert bulk.surge is None
+    assert "surge x" in chat.describe() and "surge" not in bulk.describe()
+
+
+def test_warping_keeps_the_order_and_the_ends_of_the_phase() -> None:
+    surge = Surge(10.0, 20.0, 3.0)
+    assert warp_arrival(5.0, surge) == 5.0
+    assert warp_arrival(10.0 + 30.0, surge) == pytest.approx(20.0)
+    assert warp_arrival(10.0 + 15.0, surge) == pytest.approx(15.0)
+    assert warp_arrival(60.0, surge) == pytest.approx(40.0)
+    points = [warp_arrival(0.5 * i, surge) for i in range(200)]
+    assert points == sorted(points)
 
 
 def test_bad_durations_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,8 @@ demo runs it with ``--output json``, one JSON object per line with the keys ``mo
 
     HH:MM:SS NAMESPACE/NAME model=MODEL mode=MODE DIRECTION: WINDOW - REASON
 
-with WINDOW in :meth:`Window.describe`'s form. Every other line (start-up messages, events
+with WINDOW in :meth:`Window.describe`'s form (``... budget=N gen=G`` when the window sets a
+prompt-token budget per step, which is read into :attr:`ParsedDecision.budget`). Every other line (start-up messages, events
 such as push failures) is not a decision.
 """
 
@@ -26,6 +27,7 @@ _LINE = re.compile(
     r"^\S+ (?P<profile>\S+) model=(?P<model>\S+) mode=(?P<mode>\S+) "
     r"(?P<direction>" + "|".join(DIRECTIONS) + r"): (?P<window>.*?) - (?P<reason>.*)$"
 )
+_BUDGET = re.compile(r"(?:^|\s)budget=(?P<budget>\d+)(?:\s|$)")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class ParsedDecision:
     direction: str
     reason: str
     window: str | None
+    budget: int | None = None  # the window's maxPrefillTokens (None: none set, whole prompts)
+
+
+def budget_of(window: str | None) -> int | None:
+    """The ``budget=N`` of a window described by :meth:`Window.describe`, or None."""
+    match = _BUDGET.search(window or "")
+    return int(match.group("budget")) if match else None
 
 
 def _from_json(line: str, models: set[str]) -> ParsedDecision | None:
@@ -49,7 +58,8 @@ def _from_json(line: str, models: set[str]) -> ParsedDecision | None:
     window = data.get("window")
     if isinstance(window, dict):
         window = _describe(window)
-    return ParsedDecision(str(model), str(direction), str(data.get("reason", "")), str(window) if window else None)
+    text = str(window) if window else None
+    return ParsedDecision(str(model), str(direction), str(data.get("reason", "")), text, budget_of(text))
 
 
 def _describe(fields: dict[str, object]) -> str:
@@ -70,6 +80,7 @@ def parse_decision_line(line: str, models: Iterable[str]) -> ParsedDecision | No
     match = _LINE.match(text)
     if match is None or match.group("model") not in known:
         return None
+    window = match.group("window").strip()
     return ParsedDecision(
-        match.group("model"), match.group("direction"), match.group("reason").strip(), match.group("window").strip()
+        match.group("model"), match.group("direction"), match.group("reason").strip(), window, budget_of(window)
     )

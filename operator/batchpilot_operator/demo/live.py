@@ -1,7 +1,7 @@
 """The demo's terminal view: a rich live table on a terminal, plain progress lines otherwise.
 
-Per model: the window in force, P50/P99 of its SLO metric against the SLO over the last
-few seconds, queue depth, running sequences, tokens/s, KV-cache usage, and the operator's
+Per model: the window in force (with its prompt-token budget per step), P50/P99 of its SLO
+metric against the SLO and the inter-token P99 against its SLO over the last few seconds, queue depth, running sequences, tokens/s, KV-cache usage, and the operator's
 last decision with its reason; above them, the phase and a progress bar of the replay.
 """
 
@@ -59,6 +59,7 @@ class ModelFigures:
     running: float | None
     tokens_per_s: float | None
     kv_usage: float | None
+    itl_p99_ms: float | None = None
 
 
 def model_figures(before: Snapshot | None, latest: Snapshot | None, latency_metric: str) -> ModelFigures:
@@ -66,8 +67,10 @@ def model_figures(before: Snapshot | None, latest: Snapshot | None, latency_metr
     if latest is None:
         return ModelFigures("—", None, None, None, None, None, None)
     window = latest.window()
-    # target/cap/wait: short enough for an 80-column terminal.
+    # target/cap/wait[/budget]: short enough for an 80-column terminal.
     shown = f"{window.target_batch_size}/{window.hard_cap}/{format_figure(window.max_wait_ms)} ms" if window else "—"
+    if window is not None and window.max_prefill_tokens is not None:
+        shown += f"/{window.max_prefill_tokens}"
     latency = histogram_between(before, latest, SLO_HISTOGRAMS[latency_metric]) if before is not None else None
     span_s = latest.at_s - before.at_s if before is not None else 0.0
     tokens = (
@@ -83,6 +86,9 @@ def model_figures(before: Snapshot | None, latest: Snapshot | None, latency_metr
         running=latest.gauges.get(rm.RUNNING_SEQUENCES),
         tokens_per_s=round_figure(tokens / span_s, 3) if span_s > 0 else None,
         kv_usage=latest.gauges.get(rm.KV_CACHE_USAGE_RATIO),
+        itl_p99_ms=quantile_ms(histogram_between(before, latest, rm.INTER_TOKEN_SECONDS), 0.99)
+        if before is not None
+        else None,
     )
 
 
@@ -150,6 +156,10 @@ class View:
         before, latest = self.collector.recent(model.name, VIEW_WINDOW_S)
         return model_figures(before, latest, model.latency_metric)
 
+    def _label(self, model: DemoModel) -> str:
+        """The window's name while the static phase holds it."""
+        return f" ({model.window_label})" if self.state.phase == "static" and model.window_label else ""
+
     def plain_lines(self, now_s: float) -> list[str]:
         state = self.state
         elapsed = 0.0 if state.phase_started_s is None else now_s - state.phase_started_s
@@ -159,9 +169,14 @@ class View:
         ]
         for model in self.models:
             f = self._figures(model)
+            itl = (
+                f"inter-token P99 {format_figure(f.itl_p99_ms)} ms (SLO {format_figure(model.slo_itl_p99_ms)} ms); "
+                if model.slo_itl_p99_ms is not None
+                else ""
+            )
             lines.append(
-                f"  {model.name}: {f.window}; {model.latency_metric} P50 {format_figure(f.p50_ms)} ms, "
-                f"P99 {format_figure(f.p99_ms)} ms (SLO {format_figure(model.slo_p99_ms)} ms); "
+                f"  {model.name}{self._label(model)}: {f.window}; {model.latency_metric} P50 {format_figure(f.p50_ms)} ms, "
+                f"P99 {format_figure(f.p99_ms)} ms (SLO {format_figure(model.slo_p99_ms)} ms); {itl}"
                 f"queue {format_figure(f.queue_depth)}, running {format_figure(f.running)}, "
                 f"{format_figure(f.tokens_per_s)} tokens/s, KV {_percent(f.kv_usage)}"
             )
@@ -187,10 +202,12 @@ class View:
         table = Table(expand=True, title_justify="left")
         for column, justify in (
             ("model", "left"),
-            ("target/cap/wait", "left"),
+            ("target/cap/wait/budget", "left"),
             ("P50 ms", "right"),
             ("P99 ms", "right"),
             ("SLO P99", "right"),
+            ("ITL P99", "right"),
+            ("SLO ITL", "right"),
             ("queue", "right"),
             ("running", "right"),
             ("tokens/s", "right"),
@@ -204,12 +221,19 @@ class View:
             f = self._figures(model)
             over = f.p99_ms is not None and f.p99_ms > model.slo_p99_ms
             p99 = Text(format_figure(f.p99_ms), style="bold red" if over else "green")
+            itl_slo = model.slo_itl_p99_ms
+            itl_over = itl_slo is not None and f.itl_p99_ms is not None and f.itl_p99_ms > itl_slo
+            itl = Text(
+                format_figure(f.itl_p99_ms), style="bold red" if itl_over else "green" if itl_slo is not None else ""
+            )
             table.add_row(
-                model.name,
+                model.name + self._label(model),
                 f.window,
                 format_figure(f.p50_ms),
                 p99,
                 f"{model.latency_metric} {format_figure(model.slo_p99_ms)}",
+                itl,
+                format_figure(itl_slo),
                 format_figure(f.queue_depth),
                 format_figure(f.running),
                 format_figure(f.tokens_per_s),

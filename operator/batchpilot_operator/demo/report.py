@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from batchpilot_operator.demo.results import (
     MODES,
     DecisionRecord,
+    DemoModelInfo,
     DemoReport,
     Histogram,
     Mode,
@@ -96,8 +97,18 @@ def _plot_series(
         axes.plot(x, y, label=f"{mode} {label}".strip(), color=style["color"], linestyle=style["linestyle"])
 
 
+def _mark_surge(axes: Sequence[Axes], model: DemoModelInfo) -> None:
+    """Shade the stretch of each phase where the model's arrivals surge."""
+    if model.surge_s is None:
+        return
+    for ax in axes:
+        ax.axvspan(*model.surge_s, color="#ff7f0e", alpha=0.12, linewidth=0, label="surge")
+
+
 def _latency_figure(report: DemoReport) -> str:
-    figure, axes = _figure(1, len(report.models), 3.4)
+    """Both tails per trailing window against their SLOs: the SLO metric's on top, the
+    inter-token P99 below (where the model has an inter-token SLO or a series of it)."""
+    figure, axes = _figure(2, len(report.models), 3.4)
     for column, model in enumerate(report.models):
         ax = axes[0][column]
         for mode, result in _phase_models(report, model.name):
@@ -113,9 +124,33 @@ def _latency_figure(report: DemoReport) -> str:
             ax.axhline(model.slo_p999_ms, color=_SLO_COLOR, linestyle=":", linewidth=1.0, label="SLO P99.9")
         ax.set_yscale("log")
         ax.set_title(f"{model.name}: {model.latency_metric} P99 / P99.9 (trailing {report.run.series_window_s:g} s)")
-        ax.set_xlabel("seconds into the phase")
         ax.set_ylabel("ms")
+        itl_ax = axes[1][column]
+        for mode, result in _phase_models(report, model.name):
+            style = _MODE_STYLE[mode]
+            x, itl = _points(result.series.t_s, result.series.itl_p99_ms)
+            itl_ax.plot(
+                x,
+                itl,
+                label=f"{mode} inter-token P99",
+                color=style["color"],
+                linestyle=style["linestyle"],
+                linewidth=1.8,
+            )
+        if model.slo_itl_p99_ms is not None:
+            itl_ax.axhline(
+                model.slo_itl_p99_ms,
+                color=_SLO_COLOR,
+                linewidth=1.2,
+                label=f"SLO inter-token P99 {format_figure(model.slo_itl_p99_ms)} ms",
+            )
+        itl_ax.set_yscale("log")
+        itl_ax.set_title(f"{model.name}: inter-token P99 (trailing {report.run.series_window_s:g} s)")
+        itl_ax.set_xlabel("seconds into the phase")
+        itl_ax.set_ylabel("ms")
+        _mark_surge([ax, itl_ax], model)
         ax.legend(fontsize=7)
+        itl_ax.legend(fontsize=7)
     return _png(figure)
 
 
@@ -206,9 +241,9 @@ def _load_figure(report: DemoReport) -> str:
 
 
 def _window_figure(report: DemoReport) -> str:
-    figure, axes = _figure(2, len(report.models), 2.8)
+    figure, axes = _figure(3, len(report.models), 2.8)
     for column, model in enumerate(report.models):
-        top, bottom = axes[0][column], axes[1][column]
+        top, bottom, budget_ax = axes[0][column], axes[1][column], axes[2][column]
         for mode, result in _phase_models(report, model.name):
             style = _MODE_STYLE[mode]
             x, target = _points(result.series.t_s, result.series.target_batch_size)
@@ -221,29 +256,52 @@ def _window_figure(report: DemoReport) -> str:
             bottom.step(
                 x, wait, where="post", label=f"{mode} max wait", color=style["color"], linestyle=style["linestyle"]
             )
+            x, budget = _points(result.series.t_s, result.series.max_prefill_tokens)
+            budget_ax.step(
+                x, budget, where="post", label=f"{mode} budget", color=style["color"], linestyle=style["linestyle"]
+            )
         adaptive = report.phase("adaptive")
         for decision in adaptive.decisions if adaptive else []:
             if decision.model == model.name and decision.direction in CHANGE_DIRECTIONS:
-                for ax in (top, bottom):
+                for ax in (top, bottom, budget_ax):
                     ax.axvline(decision.t_s, color="#2ca02c", alpha=0.5, linewidth=0.9)
+        _mark_surge([top, bottom, budget_ax], model)
+        if not any(
+            v is not None for _, result in _phase_models(report, model.name) for v in result.series.max_prefill_tokens
+        ):
+            budget_ax.text(
+                0.5, 0.5, "no budget: whole prompts", transform=budget_ax.transAxes, ha="center", color="#777777"
+            )
         top.set_title(f"{model.name}: target and cap (green lines: the operator changed the window)", fontsize=9)
         top.set_ylabel("sequences")
         bottom.set_title(f"{model.name}: max wait", fontsize=9)
         bottom.set_ylabel("ms")
-        bottom.set_xlabel("seconds into the phase")
+        budget_ax.set_title(f"{model.name}: prompt tokens per step (maxPrefillTokens; none: whole prompts)", fontsize=9)
+        budget_ax.set_ylabel("tokens")
+        budget_ax.set_xlabel("seconds into the phase")
         top.legend(fontsize=7)
         bottom.legend(fontsize=7)
+        budget_ax.legend(fontsize=7)
     return _png(figure)
 
 
 def render_figures(report: DemoReport) -> list[tuple[str, str, str]]:
     """(anchor, caption, base64 PNG) for every figure of the report."""
     return [
-        ("latency", "Tail latency over time against the SLO (same arrivals in both phases)", _latency_figure(report)),
+        (
+            "latency",
+            "Both tails over time against their SLOs: first-token and inter-token P99 (same arrivals in both "
+            "phases; shaded: the surge)",
+            _latency_figure(report),
+        ),
         ("batch", "Decode batch-size distribution", _batch_figure(report)),
         ("wait", "Queue-wait distribution (cumulative)", _wait_figure(report)),
         ("load", "Throughput, queue depth and KV-cache usage", _load_figure(report)),
-        ("window", "The window's fields over time, with the operator's decisions", _window_figure(report)),
+        (
+            "window",
+            "The window's fields over time, its prompt-token budget included, with the operator's decisions",
+            _window_figure(report),
+        ),
     ]
 
 
@@ -316,17 +374,20 @@ def _load_table(report: DemoReport) -> str:
 def _models_table(report: DemoReport) -> str:
     rows = [
         "<tr><th>model</th><th>preset</th><th>batch-friendliness</th><th>SLO</th>"
-        "<th>starting (static) window</th><th>arrivals per phase</th><th>why</th></tr>"
+        "<th>starting (static) window</th><th>arrivals per phase</th><th>surge</th><th>why</th></tr>"
     ]
     for m in report.models:
         slo = f"{m.latency_metric} P99 ≤ {format_figure(m.slo_p99_ms)} ms"
         if m.slo_p999_ms is not None:
             slo += f", P99.9 ≤ {format_figure(m.slo_p999_ms)} ms"
+        if m.slo_itl_p99_ms is not None:
+            slo += f"; inter-token P99 ≤ {format_figure(m.slo_itl_p99_ms)} ms"
+        window = f"{m.window_label}: {m.window}" if m.window_label else m.window
         rows.append(
             f'<tr><td class="text">{_e(m.name)}</td><td class="text">{_e(m.preset)}</td>'
             f'<td class="text">{_e(m.batch_friendliness)}</td><td class="text">{_e(slo)}</td>'
-            f'<td class="text">{_e(m.window)}</td>{_cell(m.requests, model=m.name, count="requests")}'
-            f'<td class="text">{_e(m.description)}</td></tr>'
+            f'<td class="text">{_e(window)}</td>{_cell(m.requests, model=m.name, count="requests")}'
+            f'<td class="text">{_e(m.surge or "none")}</td><td class="text">{_e(m.description)}</td></tr>'
         )
     return '<table id="models">' + "".join(rows) + "</table>"
 
@@ -356,16 +417,22 @@ def _decisions_list(report: DemoReport) -> str:
         items = "".join(
             f'<tr><td>{_e(format_figure(d.t_s))}</td><td class="text">{_e(d.model)}</td>'
             f'<td class="text">{_e(d.direction)}</td><td class="text">{_e(d.window or "")}</td>'
-            f'<td class="text">{_e(d.reason)}</td></tr>'
+            + _cell(d.budget, model=d.model, mode=phase.mode, budget_at=format_figure(d.t_s))
+            + f'<td class="text">{_e(d.reason)}</td></tr>'
             for d in shown
         )
         parts.append(
             f'<table class="decisions" data-mode="{_e(phase.mode)}"><tr><th>s</th><th>model</th>'
-            f"<th>direction</th><th>window</th><th>reason</th></tr>{items}</table>"
+            f"<th>direction</th><th>window</th><th>budget</th><th>reason</th></tr>{items}</table>"
         )
     if report.phases:
         parts.append('<p class="muted">Repeated holds with an unchanged reason are left out here.</p>')
     return "".join(parts)
+
+
+def _static_names(report: DemoReport) -> str:
+    named = [f"{m.name}: {m.window_label}" for m in report.models if m.window_label]
+    return "; ".join(named) if named else "each profile's starting window"
 
 
 def render_html(report: DemoReport) -> str:
@@ -381,8 +448,11 @@ def render_html(report: DemoReport) -> str:
 <body>
 <h1>batchpilot demo: static vs adaptive batching windows</h1>
 <p>Two runtimes served two models while the same arrivals were replayed twice: first with the
-operator holding each profile's window (<code>static</code>), then retuning it
-(<code>adaptive</code>). Every figure below is in <code>{REPORT_JSON}</code> beside this page.</p>
+operator holding each profile's window (<code>static</code>: {_e(_static_names(report))}), then retuning it
+(<code>adaptive</code>). A model with an inter-token SLO is held to both tails at once: the first
+token (<code>slo.p99Ms</code>) and the gaps between tokens (<code>slo.interTokenP99Ms</code>), which
+the prompt-token budget per step (<code>maxPrefillTokens</code>) trades against each other.
+Every figure below is in <code>{REPORT_JSON}</code> beside this page.</p>
 <p class="muted">{_e(report.created_at)} · host: {_e(run.host)} · trace: {_e(run.trace)} ·
 replay {_e(format_figure(run.phase_replay_s))} s per phase · wall time {_e(format_figure(run.wall_s))} s ·
 operator metrics from {_e(run.metrics_source)}, every {_e(run.operator_interval_s)} s ·
@@ -390,7 +460,8 @@ demo scrapes every {_e(format_figure(run.scrape_interval_s))} s{reproduce}</p>
 <h2>Models</h2>{_models_table(report)}
 <h2>Static vs adaptive</h2>
 <p>Latencies are those of each model's SLO metric over the whole phase, read from the runtimes'
-histograms; green: adaptive did better.</p>
+histograms; the inter-token figures are those of the gaps between two tokens of one request;
+green: adaptive did better.</p>
 {_comparison_table(report)}
 <h2>Every request accounted for</h2>
 <p>Accepted requests either completed or ended with an explicit error: <em>lost</em> must be 0.</p>

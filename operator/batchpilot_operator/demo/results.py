@@ -47,9 +47,11 @@ class WindowSnapshot(_Model):
     hard_cap: int
     max_wait_ms: float
     generation: int
+    max_prefill_tokens: int | None = None  # the prompt-token budget per step; None: whole prompts
 
     def describe(self) -> str:
-        return f"target {self.target_batch_size}, cap {self.hard_cap}, wait {format_figure(self.max_wait_ms)} ms"
+        text = f"target {self.target_batch_size}, cap {self.hard_cap}, wait {format_figure(self.max_wait_ms)} ms"
+        return text if self.max_prefill_tokens is None else f"{text}, budget {self.max_prefill_tokens} tokens"
 
 
 class Histogram(_Model):
@@ -68,7 +70,9 @@ class TimeSeries(_Model):
     """One model's figures over one phase, one point per scrape; ``t_s`` counts from the phase start.
 
     Latency quantiles are those of the SLO's latency metric over a trailing window
-    (``DemoRunInfo.series_window_s``); None where that window saw no request.
+    (``DemoRunInfo.series_window_s``); None where that window saw no request. ``itl_p99_ms`` is
+    the inter-token P99 over the same window (None where it saw no gap), ``max_prefill_tokens``
+    the window's prompt-token budget per step (None: whole prompts).
     """
 
     t_s: list[float] = Field(default_factory=list)
@@ -82,6 +86,8 @@ class TimeSeries(_Model):
     target_batch_size: list[float | None] = Field(default_factory=list)
     hard_cap: list[float | None] = Field(default_factory=list)
     max_wait_ms: list[float | None] = Field(default_factory=list)
+    itl_p99_ms: list[float | None] = Field(default_factory=list)
+    max_prefill_tokens: list[float | None] = Field(default_factory=list)
 
 
 class LoadCounts(_Model):
@@ -110,6 +116,7 @@ class DecisionRecord(_Model):
     direction: str
     reason: str
     window: str | None = None  # the window it decided, as the operator wrote it
+    budget: int | None = None  # its maxPrefillTokens, when it has one
 
 
 class ModelPhaseResult(_Model):
@@ -133,6 +140,9 @@ class ModelPhaseResult(_Model):
     series: TimeSeries
     decode_batch_size: Histogram
     queue_wait_s: Histogram
+    itl_p50_ms: float | None = None  # the gap between two tokens of one request, over the whole phase
+    itl_p99_ms: float | None = None
+    itl_slo_met_share: float | None = None  # share of gaps at most slo.interTokenP99Ms (None without one)
 
 
 class PhaseResult(_Model):
@@ -158,6 +168,10 @@ class DemoModelInfo(_Model):
     window: str  # the starting (and static) window
     requests: int  # arrivals per phase
     description: str
+    slo_itl_p99_ms: float | None = None  # slo.interTokenP99Ms
+    window_label: str = ""  # what the static window is ("engine defaults", ...)
+    surge: str = ""  # the surge in its arrivals, if any, in words
+    surge_s: tuple[float, float] | None = None  # where it lies in each phase (seconds into the phase)
 
 
 class DemoRunInfo(_Model):
@@ -200,6 +214,8 @@ _COMPARED: tuple[tuple[str, str, Literal["lower", "higher", "neither"], str], ..
     ("P99 latency", "ms", "lower", "p99_ms"),
     ("P99.9 latency", "ms", "lower", "p999_ms"),
     ("P50 latency", "ms", "lower", "p50_ms"),
+    ("Inter-token P99", "ms", "lower", "itl_p99_ms"),
+    ("Gaps within the inter-token SLO", "%", "higher", "itl_slo_met_share"),
     ("Requests within the SLO", "%", "higher", "slo_met_share"),
     ("Throughput", "tokens/s", "higher", "tokens_per_s"),
     ("Goodput", "tokens/s", "higher", "goodput_tokens_per_s"),
@@ -222,7 +238,7 @@ def _figure(result: ModelPhaseResult, attribute: str) -> float | None:
     value = getattr(result, attribute)
     if value is None:
         return None
-    if attribute in ("slo_met_share", "kv_usage_max"):
+    if attribute in ("slo_met_share", "itl_slo_met_share", "kv_usage_max"):
         return round_figure(100.0 * float(value))
     return round_figure(float(value))
 

@@ -101,7 +101,17 @@ def window_flags(model: DemoModel) -> list[str]:
         str(w.max_wait_ms),
         "--tail-mark-ratio",
         str(w.tail_mark_ratio),
+        *(["--max-prefill-tokens", str(w.max_prefill_tokens)] if w.max_prefill_tokens is not None else []),
     ]
+
+
+def describe_window(model: DemoModel) -> str:
+    """The model's starting (static) window, as the report and the live view name it."""
+    w = model.window
+    text = f"target {w.target_batch_size}, cap {w.hard_cap}, wait {w.max_wait_ms} ms, tail {w.tail_mark_ratio:g}x"
+    if w.max_prefill_tokens is not None:
+        text += f", budget {w.max_prefill_tokens} tokens"
+    return text
 
 
 def write_token(path: Path) -> Path:
@@ -230,6 +240,7 @@ class Demo:
                     direction=parsed.direction,
                     reason=parsed.reason,
                     window=parsed.window,
+                    budget=parsed.budget,
                 )
             )
             self.state.decisions[parsed.model] = LastDecision(now_s, parsed.direction, parsed.reason, parsed.window)
@@ -248,10 +259,18 @@ class Demo:
         self.state.requests_total = sum(len(a.requests) for a in arrivals)
         self.state.requests_done = 0
         self.state.decisions.clear()
+        if mode == "static":
+            held = "; ".join(f"{m.name}: {m.window_label}" for m in self.models)
+            what = f"static windows ({held})"
+        else:
+            what = "adaptive windows (the operator retunes them from the same start)"
         self.view.say(
-            f"phase {number}/{len(MODES)}: {mode} windows, replaying "
+            f"phase {number}/{len(MODES)}: {what}, replaying "
             f"{self.state.requests_total} requests over {self.settings.phase_replay_s:g} s"
         )
+        for a in arrivals:
+            if a.surge is not None:
+                self.view.say(f"  {a.model}: {a.surge.describe()} into the phase (the same in both phases)")
         await operator.start()
 
         def on_result(_result: RequestResult) -> None:
@@ -275,6 +294,7 @@ class Demo:
                     model=model.name,
                     latency_metric=model.latency_metric,
                     slo_p99_ms=model.slo_p99_ms,
+                    slo_itl_p99_ms=model.slo_itl_p99_ms,
                     snapshots=self._phase_snapshots(model.name, first, end_s),
                     load=load_counts(summaries[model.name]),
                     decisions=decisions,
@@ -290,9 +310,14 @@ class Demo:
         )
         for result in results:
             slo = next(m for m in self.models if m.name == result.model)
+            itl = (
+                f"inter-token P99 {format_figure(result.itl_p99_ms)} ms (SLO {format_figure(slo.slo_itl_p99_ms)}), "
+                if slo.slo_itl_p99_ms is not None
+                else ""
+            )
             self.view.say(
                 f"  {mode} {result.model}: P99 {format_figure(result.p99_ms)} ms "
-                f"(SLO {format_figure(slo.slo_p99_ms)}), {format_figure(result.tokens_per_s)} tokens/s, "
+                f"(SLO {format_figure(slo.slo_p99_ms)}), {itl}{format_figure(result.tokens_per_s)} tokens/s, "
                 f"{result.load.completed}/{result.load.accepted} completed, lost {result.load.lost}, "
                 f"{result.decisions} window changes"
             )
@@ -416,7 +441,15 @@ class Demo:
         report = self._report(phases, arrivals)
         html_path, json_path = write_report(report, self.out_dir)
         for row in report.comparison:
-            if row.figure in ("P99 latency", "Throughput", "Requests within the SLO", "Lost requests"):
+            if row.figure in (
+                "P99 latency",
+                "Inter-token P99",
+                "Throughput",
+                "Requests within the SLO",
+                "Lost requests",
+            ):
+                if row.static is None and row.adaptive is None:
+                    continue
                 self.view.say(
                     f"{row.model:6s} {row.figure:24s} static {format_figure(row.static):>8s}  "
                     f"adaptive {format_figure(row.adaptive):>8s} {row.unit}".rstrip()
@@ -426,7 +459,8 @@ class Demo:
 
     def _report(self, phases: list[PhaseResult], arrivals: list[Arrivals]) -> DemoReport:
         counts = {a.model: len(a.requests) for a in arrivals}
-        scaling = "; ".join(f"{a.model}: {a.scaling.describe()}" for a in arrivals)
+        scaling = "; ".join(f"{a.model}: {a.describe()}" for a in arrivals)
+        surges = {a.model: a.surge for a in arrivals if a.surge is not None}
         return DemoReport(
             created_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             run=DemoRunInfo(
@@ -449,10 +483,13 @@ class Demo:
                     latency_metric=m.latency_metric,
                     slo_p99_ms=m.slo_p99_ms,
                     slo_p999_ms=m.slo_p999_ms,
-                    window=f"target {m.window.target_batch_size}, cap {m.window.hard_cap}, "
-                    f"wait {m.window.max_wait_ms} ms, tail {m.window.tail_mark_ratio:g}x",
+                    window=describe_window(m),
                     requests=counts[m.name],
                     description=m.description,
+                    slo_itl_p99_ms=m.slo_itl_p99_ms,
+                    window_label=m.window_label,
+                    surge=surges[m.name].describe() if m.name in surges else "",
+                    surge_s=(surges[m.name].start_s, surges[m.name].end_s) if m.name in surges else None,
                 )
                 for m in self.models
             ],

@@ -36,7 +36,7 @@ SLO_HISTOGRAMS: dict[str, str] = {
     "e2e": rm.REQUEST_LATENCY_SECONDS,
 }
 DECODE_BATCH = f"{rm.BATCH_SIZE}:decode"
-_HISTOGRAMS = frozenset({*SLO_HISTOGRAMS.values(), rm.BATCH_SIZE})
+_HISTOGRAMS = frozenset({*SLO_HISTOGRAMS.values(), rm.BATCH_SIZE, rm.INTER_TOKEN_SECONDS})
 _GAUGES = frozenset(
     {
         rm.QUEUE_DEPTH,
@@ -46,6 +46,7 @@ _GAUGES = frozenset(
         rm.WINDOW_HARD_CAP,
         rm.WINDOW_MAX_WAIT_SECONDS,
         rm.WINDOW_GENERATION,
+        rm.WINDOW_MAX_PREFILL_TOKENS,
     }
 )
 _COUNTERS = frozenset(
@@ -76,6 +77,11 @@ class Snapshot:
         prefix = f"{name}:"
         return {k.removeprefix(prefix): v for k, v in self.counters.items() if k.startswith(prefix)}
 
+    def budget(self) -> int | None:
+        """The window's prompt-token budget per step; None for whole prompts (the gauge's 0) or unknown."""
+        value = self.gauges.get(rm.WINDOW_MAX_PREFILL_TOKENS)
+        return int(value) if value else None
+
     def window(self) -> WindowSnapshot | None:
         try:
             return WindowSnapshot(
@@ -83,6 +89,7 @@ class Snapshot:
                 hard_cap=int(self.gauges[rm.WINDOW_HARD_CAP]),
                 max_wait_ms=_ms(self.gauges[rm.WINDOW_MAX_WAIT_SECONDS]),
                 generation=int(self.gauges[rm.WINDOW_GENERATION]),
+                max_prefill_tokens=self.budget(),
             )
         except KeyError:
             return None
@@ -218,6 +225,9 @@ def build_series(snapshots: Sequence[Snapshot], slo_histogram: str, window_s: fl
         series.target_batch_size.append(_gauge(now, rm.WINDOW_TARGET_BATCH_SIZE))
         series.hard_cap.append(_gauge(now, rm.WINDOW_HARD_CAP))
         series.max_wait_ms.append(_gauge(now, rm.WINDOW_MAX_WAIT_SECONDS, 1000.0))
+        series.itl_p99_ms.append(quantile_ms(histogram_between(before, now, rm.INTER_TOKEN_SECONDS), 0.99))
+        budget = now.budget()
+        series.max_prefill_tokens.append(None if budget is None else float(budget))
     return series
 
 
@@ -248,6 +258,7 @@ def summarize_model_phase(
     model: str,
     latency_metric: str,
     slo_p99_ms: float,
+    slo_itl_p99_ms: float | None = None,
     snapshots: Sequence[Snapshot],
     load: LoadCounts,
     decisions: Sequence[DecisionRecord],
@@ -264,6 +275,8 @@ def summarize_model_phase(
     tokens = counter_increase(first, last, rm.GENERATED_TOKENS_TOTAL)
     tokens_per_s = tokens / span_s if span_s > 0 else None
     met = share_at_most(latency, slo_p99_ms / 1000.0)
+    itl = histogram_between(first, last, rm.INTER_TOKEN_SECONDS)
+    itl_met = share_at_most(itl, slo_itl_p99_ms / 1000.0) if slo_itl_p99_ms is not None else None
     series = build_series(snapshots, slo_histogram, series_window_s)
     return ModelPhaseResult(
         model=model,
@@ -286,4 +299,7 @@ def summarize_model_phase(
         series=series,
         decode_batch_size=histogram_between(first, last, DECODE_BATCH),
         queue_wait_s=histogram_between(first, last, rm.QUEUE_WAIT_SECONDS),
+        itl_p50_ms=quantile_ms(itl, 0.5),
+        itl_p99_ms=quantile_ms(itl, 0.99),
+        itl_slo_met_share=round_figure(itl_met),
     )
