@@ -35,7 +35,12 @@ Admission (continuous mode), once per lane per step, lanes holding a tail-marked
 
     The group takes requests from the front of the lane (tail-marked first, then FCFS) while a slot
     is free and the request's whole prompt (prompt + generated tokens, for a recompute) fits in the
-    free KV blocks; it stops at the first request that does not fit (no overtaking). While other
+    free KV blocks. When the front request does not fit, a request among the next ``skip_ahead``
+    that does fit may be admitted past it (a short prompt need not wait behind a long one for KV
+    that it does not need), but nothing passes a tail-marked request: the group stops there, so
+    that freed blocks go to it. Tail marking thereby bounds how long a skipped request waits: once
+    it has waited ``tailMarkRatio`` x the lane's P50 wait it is marked, and from then on it only
+    waits for running sequences to free its blocks. While other
     sequences run, a watermark of ``kv_watermark_fraction`` x blocks stays free for their decode
     growth; with nothing running the watermark is waived so that any accepted request can start.
     Each admitted group is counted once, by the strongest condition that holds: "cap" (the group
@@ -128,6 +133,7 @@ class SchedulerConfig:
     wait_p50_samples: int = 256  # rolling window of queue waits for the tail-mark P50
     tail_min_samples: int = 20  # no tail marking in a lane before it has this many wait samples
     kv_watermark_fraction: float = 0.01  # blocks kept free for decode growth when admitting
+    skip_ahead: int = 16  # requests behind an unmarked front that does not fit KV that may pass it (0: strict FCFS)
 
     def __post_init__(self) -> None:
         positive = {
@@ -151,6 +157,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"tail_min_samples ({self.tail_min_samples}) must not exceed wait_p50_samples ({self.wait_p50_samples})"
             )
+        if self.skip_ahead < 0:
+            raise ValueError(f"skip_ahead must be >= 0, got {self.skip_ahead}")
         if not 0.0 <= self.kv_watermark_fraction < 1.0:
             raise ValueError(f"kv_watermark_fraction must be in [0, 1), got {self.kv_watermark_fraction}")
 
@@ -485,6 +493,10 @@ class Scheduler:
         waits = self._lanes[lane].waits
         return waits.median() if len(waits) else None
 
+    def marked_ids(self, lane: str = DEFAULT_LANE) -> tuple[str, ...]:
+        """A lane's tail-marked request ids still waiting, in marking order."""
+        return tuple(s.request_id for s in self._lanes[lane].marked)
+
     def running_ids(self) -> tuple[str, ...]:
         """Running request ids, oldest admitted first."""
         return tuple(self._running)
@@ -813,6 +825,14 @@ class Scheduler:
             needed += self._watermark_blocks
         return needed <= self._kv.num_free_blocks
 
+    def _first_fitting_behind(self, lane: _Lane) -> _Seq | None:
+        """The oldest of the ``skip_ahead`` requests behind the lane's front whose prompt fits."""
+        waiting = lane.waiting
+        for index in range(1, min(len(waiting), self.config.skip_ahead + 1)):
+            if self._fits(waiting[index]):
+                return waiting[index]
+        return None
+
     def _slot_room(self, lane: _Lane) -> int:
         global_cap = self._window.hard_cap
         held = 0
@@ -865,14 +885,22 @@ class Scheduler:
             wait_hit = now_s >= oldest.arrival_s + window.max_wait_ms / 1000.0
             if not (target_hit or tail_hit or wait_hit):
                 continue
-            # c. The group: front of the lane while a slot is free and the prompt fits.
+            # c. The group: front of the lane while a slot is free and the prompt fits; past an unmarked
+            #    front that does not fit, one of the next ``skip_ahead`` that does.
             group = 0
             while room > 0:
                 seq_or_none = lane.oldest_fresh()
-                if seq_or_none is None or not self._fits(seq_or_none):
+                if seq_or_none is None:
                     break
-                seq = seq_or_none
-                (lane.marked if seq.tail_marked else lane.waiting).popleft()
+                if self._fits(seq_or_none):
+                    seq = seq_or_none
+                    (lane.marked if seq.tail_marked else lane.waiting).popleft()
+                else:
+                    passer = None if seq_or_none.tail_marked else self._first_fitting_behind(lane)
+                    if passer is None:
+                        break
+                    seq = passer
+                    lane.waiting.remove(seq)
                 self._start_running(seq, now_s)
                 seq.first_admitted_s = now_s
                 lane.waits.add(now_s - seq.arrival_s)

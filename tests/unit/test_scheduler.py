@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import pytest
@@ -163,6 +164,73 @@ def test_group_is_cut_at_the_first_request_that_does_not_fit_free_kv() -> None:
     assert scheduler.waiting_ids() == ("r2", "r3")
     assert dict(plan.stats.admissions) == {"target": 1}
     assert scheduler.kv_usage_ratio == 1.0
+
+
+def test_a_prompt_that_fits_is_admitted_past_a_front_that_does_not() -> None:
+    # 6 blocks of 4: r0 (12 tokens) runs; r1 (16 tokens, 4 blocks) does not fit the 3 left; r2 (4) does.
+    scheduler = make_scheduler(target=1, cap=8, blocks=6, block_size=4)
+    scheduler.add_request(make_requests(1, prompt_tokens=12, max_new=4)[0])
+    scheduler.schedule(0.0)
+    scheduler.add_request(make_requests(1, prompt_tokens=16, max_new=2, start=1)[0])
+    scheduler.add_request(make_requests(1, prompt_tokens=4, max_new=2, start=2)[0])
+    plan = scheduler.schedule(0.001)
+    assert scheduler.running_ids() == ("r0", "r2")
+    assert scheduler.waiting_ids() == ("r1",)
+    assert plan.stats.admitted_requests == 1
+    strict = make_scheduler(target=1, cap=8, blocks=6, block_size=4)
+    strict = Scheduler(dataclasses.replace(strict.config, skip_ahead=0), strict.window)
+    strict.add_request(make_requests(1, prompt_tokens=12, max_new=4)[0])
+    strict.schedule(0.0)
+    add_all(strict, make_requests(2, prompt_tokens=16, max_new=2, start=1)[:1] + make_requests(1, 4, 2, start=2))
+    strict.schedule(0.001)
+    assert strict.running_ids() == ("r0",)
+
+
+SHORT_EVERY = 2  # arrivals a little faster than the cache serves shorts: a queue always waits
+
+
+def _starve(tail_min_samples: int) -> tuple[float | None, int, float]:
+    """A long prompt at the front and a short one arriving every other step, each short fitting
+    what a finishing one frees. Returns when the long one was admitted, how many shorts passed it,
+    and the lane's P50 wait then."""
+    # 8 blocks of 4 tokens; a short needs 1 block to start and 3 by its end (4 prompt + 8 out), the
+    # long one 5 to start (18 tokens): the shorts keep the cache nearly full, so it never fits
+    # unless the freed blocks are kept for it.
+    scheduler = make_scheduler(
+        target=1,
+        cap=8,
+        blocks=8,
+        block_size=4,
+        tail_min_samples=tail_min_samples,
+        wait_p50_samples=max(32, tail_min_samples),
+        max_queue=1024,
+    )
+    passed = 0
+    for i in range(400):
+        now_s = i * 0.001
+        if i == 3:
+            scheduler.add_request(SchedRequest("long", tuple(range(1, 19)), 2, now_s))
+        if i % SHORT_EVERY == 0:
+            scheduler.add_request(SchedRequest(f"s{i}", (1, 2, 3, 4), 8, now_s))
+        plan, _ = step(scheduler, now_s)
+        admitted = {s.request_id for s in plan.seqs if s.is_prefill and s.start_pos == 0}
+        if "long" in admitted:
+            return now_s, passed, scheduler.wait_p50_s() or 0.0
+        passed += len(admitted) if i >= 3 else 0
+    return None, passed, scheduler.wait_p50_s() or 0.0
+
+
+def test_tail_marking_bounds_how_long_a_request_that_others_pass_waits() -> None:
+    # Never marked (too few wait samples for marking, ever): the shorts keep taking the freed blocks.
+    never, passed, _ = _starve(tail_min_samples=10_000)
+    assert never is None and passed > 300
+    # Marked once it has waited 2 x the lane's P50 wait (at least 1 ms): from then on nothing passes
+    # it, and it waits only for running shorts (9 steps of life at most) to free its 5 blocks.
+    admitted_s, passed, p50_s = _starve(tail_min_samples=2)
+    assert admitted_s is not None
+    step_s = 0.001
+    assert admitted_s - 0.003 <= 2 * max(p50_s, 0.001) + 9 * step_s + step_s
+    assert passed <= 2
 
 
 def test_watermark_keeps_blocks_free_while_others_run_and_is_waived_when_idle() -> None:
