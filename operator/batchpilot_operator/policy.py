@@ -62,18 +62,22 @@ wait above is for an engine that idles between requests.
 The prompt-token budget per step (``maxPrefillTokens``) is the lever between the two tails an
 iteration-level engine trades: a long prompt prefilled in one step stalls every decode of that
 step (inter-token gap), a small budget spreads it over many steps (first token later). It moves
-only for an SLO with ``interTokenP99Ms``. Over the inter-token target it comes down at once, by
-a cut that grows with the overshoot and at least reaches the budget that would put the gap at
-85 % of its target (the gap grows about linearly with a step's prompt tokens); when it is
-already at its lower bound and the batch is at its cap, the cap comes down instead (the decode
-part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise past
-it again until the gaps have stayed within target for 20 intervals, then by one step at a time
-(as the memory ceiling of the cap), because the gap's P99 is set by the longest prompts, which a
-raise only meets at the next burst. With the inter-token P99 under 70 % of its target while the
-first-token P99 is past its headroom (the TTFT side needs help), the budget rises towards the
-one that puts the inter-token P99 at 85 % of its target, by at most the step limit and never
-past the ceiling. Otherwise it holds: a budget raised while nothing contends would only show its
-cost at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
+only for an SLO with ``interTokenP99Ms``, and by the ratio of each P99 to its target: the gap
+grows about linearly with a step's prompt tokens and a queue's first-token delay about
+inversely, so sqrt(TTFT ratio / gap ratio) is the move that balances the two. Over the
+inter-token target the budget comes down at once towards the budget that puts the gap at 85 %
+of its target, but no further than the balance when first tokens are tight too, and not at all
+when they are further over than the gaps (a cut would move the pain to the worse tail); when it
+is already at its lower bound and the batch is at its cap, the cap comes down instead (the
+decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
+past it again until the gaps have stayed within target for 20 intervals, then by one step at a
+time (as the memory ceiling of the cap does), because the gap's P99 is set by the longest
+prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
+70 % of their target while first tokens are past their headroom (towards the 85 % point), or
+when first tokens are over while the gaps are within target (towards the balance, never past
+95 % of the gap target), by at most the step limit and never past the ceiling. A move under 5 %
+is not made. Otherwise it holds: a budget raised while nothing contends would only show its cost
+at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
 
 Every field moves at most ``maxStepFraction`` of its value per decision (or one unit
 --- one sequence, 5 ms, 0.1 --- when that is larger, so that a field at 0 or 1 can
@@ -125,6 +129,8 @@ class PolicyConfig:
     itl_raise_ratio: float = 0.7  # the budget may rise only with the inter-token P99 under this share of its target
     itl_setpoint_ratio: float = 0.85  # ... and towards the budget that puts it at this share
     budget_ceiling_calm_intervals: int = 20  # gaps within target this long before the budget ceiling lifts
+    budget_min_change: float = 0.05  # a smaller relative move of the budget is not worth a decision
+    budget_raise_ttft_ratio: float = 0.6  # first tokens this close to their target ask for a larger budget
 
 
 DEFAULT_CONFIG = PolicyConfig()
@@ -348,23 +354,39 @@ def budget_move(
         else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
     )
     target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
+    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
+    # The gap grows about linearly with a step's prompt tokens and the first-token delay of a
+    # queue about inversely: sqrt(TTFT ratio / gap ratio) is the move that would balance the two.
+    balance = math.sqrt(ttft_ratio / ratio) if ratio > 0 and not math.isnan(ttft_ratio) else math.inf
     if ratio > 1.0:
-        severity = 1.0 if math.isinf(ratio) else min(1.0, max(0.3, ratio - 1.0))
-        # The gap grows about linearly with a step's prompt tokens: aim at the setpoint at once.
-        desired = current * min(1 - fraction * severity, config.itl_setpoint_ratio / ratio)
-        new = _limit_int(current, desired, fraction, bound.min, bound.max)
+        # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
+        factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
+        if factor > 1.0 - config.budget_min_change:
+            # First tokens at least as far over: a cut would only move the pain to the worse tail.
+            return BudgetMove(budget, itl_over=True, at_floor=current <= bound.min)
+        new = _limit_int(current, current * factor, fraction, bound.min, bound.max)
         if new == budget:
             return BudgetMove(budget, itl_over=True, at_floor=new <= bound.min)
         why = f"lowering the prefill budget to {new} tokens ({itl_text} over its {target_text} target)"
         return BudgetMove(new, why, itl_over=True, at_floor=new <= bound.min)
-    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
-    if budget is not None and ratio < config.itl_raise_ratio and ttft_ratio > config.headroom_ratio:
-        desired = current * min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
-        new = _limit_int(current, desired, fraction, bound.min, top)
-        if new > budget:
-            why = f"raising the prefill budget to {new} tokens (first tokens need it; {itl_text} leaves room under {target_text})"
-            return BudgetMove(new, why)
-    return BudgetMove(budget)
+    if budget is None:
+        return BudgetMove(budget)
+    if ratio < config.itl_raise_ratio and ttft_ratio > config.budget_raise_ttft_ratio:
+        factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
+    elif ttft_ratio > 1.0:
+        # First tokens over, gaps within target but close: balance, never past the gap target.
+        factor = min(balance, 0.95 / ratio)
+    else:
+        return BudgetMove(budget)
+    if factor < 1.0 + config.budget_min_change:
+        return BudgetMove(budget)
+    new = _limit_int(current, current * factor, fraction, bound.min, top)
+    if new <= budget:
+        return BudgetMove(budget)
+    why = (
+        f"raising the prefill budget to {new} tokens (first tokens need it; {itl_text} leaves room under {target_text})"
+    )
+    return BudgetMove(new, why)
 
 
 def decide(
@@ -532,10 +554,13 @@ def decide(
             bounds.max_wait_ms.min,
             bounds.max_wait_ms.max,
         )
-        new_target = _limit_int(
-            target, target * (1 - cut), fraction, bounds.target_batch_size.min, bounds.target_batch_size.max
-        )
-        target_why = "lowering wait and target"
+        if not (target_fills_itself and new_wait <= bounds.max_wait_ms.min):
+            # A target the running batch already exceeds holds nothing back: lowering it would be a
+            # decision (and a push) that changes nothing.
+            new_target = _limit_int(
+                target, target * (1 - cut), fraction, bounds.target_batch_size.min, bounds.target_batch_size.max
+            )
+        target_why = "lowering wait and target" if new_target != target else "lowering the wait"
     elif confirmed_headroom and engine_busy:
         # A larger target would only be reached through a wait, and a wait buys nothing here.
         new_wait = _limit_wait(wait, bounds.max_wait_ms.min, fraction, bounds.max_wait_ms.min, bounds.max_wait_ms.max)

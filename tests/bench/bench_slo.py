@@ -15,7 +15,8 @@ Policies:
   behind the OpenAI API server (``vllm/engine/arg_utils.py``, ``EngineArgs.get_batch_defaults``:
   GPUs of 70 GiB or more other than the A100, H100-class, get 1024 and 8192; "setting large
   max_num_batched_tokens for A100 reduces throughput", vLLM PR #17885);
-- ``best_static``: the best window in hindsight, searched over cap x budget (x wait in the full run)
+- ``best_static``: the best window in hindsight, searched over cap x budget (wait 0: under continuous
+  batching a wait only delays an admission into a step that runs anyway, see the README)
   at this cell's own capacity;
 - ``tuned_elsewhere``: the best static window of the *other* replay applied here (a window tuned on
   one day and kept on another);
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -71,7 +73,7 @@ QUICK_BUDGETS = (256, 512, 1024, 2048, 4096, None)
 FULL_BUDGETS = (256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192, None)
 QUICK_CAPS = (256,)
 FULL_CAPS = (64, 128, 256)
-FULL_WAITS = (0, 20)
+FULL_WAITS = (0,)
 PER_STEP_WINDOW = Window(target_batch_size=1, hard_cap=256, max_wait_ms=0)
 PER_STEP_FRACTION = 0.95
 STEP_COST_FACTOR = 1.5
@@ -236,6 +238,35 @@ def step_cost_change(requests: list[TraceRequest], slo: DualSLO, cost: CostModel
     }
 
 
+def steady_decisions(requests: list[TraceRequest], slo: DualSLO, cost: CostModel, capacity: float) -> dict[str, Any]:
+    """Decisions per hour of ``adaptive`` under steady load: Poisson arrivals at 80 % of its capacity
+    (in the replay's mean rate), token counts drawn from the replay, as long as the replay."""
+    rng = random.Random(0)
+    span_s = requests[-1].arrival_s
+    rate = 0.8 * max(capacity, 0.02) * len(requests) / span_s
+    steady: list[TraceRequest] = []
+    t = rng.expovariate(rate)
+    while t < span_s / (0.8 * max(capacity, 0.02)):
+        source = requests[rng.randrange(len(requests))]
+        steady.append(TraceRequest(t, source.prompt_tokens, source.output_tokens))
+        t += rng.expovariate(rate)
+    spec = dual_slo_spec(slo, STARTING_WINDOW)
+    outcome, result = evaluate(steady, 1.0, slo, cost, STARTING_WINDOW, spec, stop_early=False)
+    hours = result.trace_span_s / 3600.0
+    # The first ten minutes are the policy finding its way from the starting window.
+    settled = [p for p in result.timeline if p.t_s >= 600.0 and p.changed]
+    settled_hours = max(1e-9, (result.trace_span_s - 600.0) / 3600.0)
+    return {
+        "rate_per_s": rate,
+        "requests": len(steady),
+        "decisions_per_hour": outcome.decisions / hours,
+        "decisions_per_hour_after_10_min": len(settled) / settled_hours,
+        "meets": outcome.meets,
+        "ttft_p99_s": outcome.ttft_p99_s,
+        "itl_p99_s": outcome.itl_p99_s,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE_PATH, help="Azure-format trace CSV")
@@ -298,8 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results += _run(elsewhere, args.workers)
     change = step_cost_change(replays["azure"], slos[0], cost, tolerance)
+    adaptive_capacity = next(
+        r["capacity"]
+        for r in results
+        if r["replay"] == "azure" and r["slo"] == slos[0].label() and r["policy"] == "adaptive"
+    )
+    steady = steady_decisions(replays["azure"], slos[0], cost, adaptive_capacity)
 
     report = _report(results, slos, replays, replay_info, change, time.perf_counter() - began, args)
+    report["steady_load"] = steady
+    report["targets"]["decisions_per_hour_steady"] = steady["decisions_per_hour"]
     text = json.dumps(json_safe(report), indent=2)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -382,6 +421,12 @@ def _print_summary(report: dict[str, Any]) -> None:
         )
         print(f"{cell['replay']:16} {cell['slo']:12} {row}")
     print("targets:", json.dumps(json_safe(report["targets"]), indent=1))
+    steady = report.get("steady_load")
+    if steady:
+        print(
+            f"steady load (Poisson at {steady['rate_per_s']:.2f} req/s): {steady['decisions_per_hour']:.0f} decisions/h "
+            f"({steady['decisions_per_hour_after_10_min']:.0f} after the first 10 minutes)"
+        )
     change = report["step_cost_change"]
     print(
         f"x{change['factor']} step cost from the midpoint at x{change['multiplier']}: both tails under the SLO "

@@ -167,15 +167,28 @@ def itl_spec(budget: int | None = 2048, itl_ms: float = 100.0, **bounds: Any) ->
 
 def test_inter_token_p99_over_its_target_lowers_the_budget_and_says_so() -> None:
     spec, window = itl_spec()
-    decision = decide(spec, window, make_obs(0.5, itl_p99_s=0.150, mean_batch_size=8.0), PolicyState(), 100.0)
+    decision = decide(spec, window, make_obs(0.2, itl_p99_s=0.150, mean_batch_size=8.0), PolicyState(), 100.0)
     assert decision.direction == "down"
-    # Aimed at 85 % of the target at once: 2048 x 0.85 / 1.5 (deeper than the 25 % severity cut).
+    # First tokens with room: aimed at 85 % of the gap target at once, 2048 x 0.85 / 1.5.
     assert decision.window.max_prefill_tokens == 1161
     assert "inter-token P99 150 ms over its 100 ms target" in decision.reason
     assert "prefill budget to 1161" in decision.reason
-    # A small overshoot: 0.85 / 1.05 still cuts deeper than the severity floor (30 % of the step limit).
-    decision = decide(spec, window, make_obs(0.5, itl_p99_s=0.105), PolicyState(), 100.0)
+    # A small overshoot: 0.85 / 1.05.
+    decision = decide(spec, window, make_obs(0.2, itl_p99_s=0.105), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 1658
+
+
+def test_with_both_tails_tight_the_budget_moves_only_as_far_as_balances_them() -> None:
+    spec, window = itl_spec(budget=2048)
+    # Gaps 1.2x over, first tokens at 0.9x: sqrt(0.9 / 1.2) = 0.866 is a shallower cut than 0.85 / 1.2.
+    decision = decide(spec, window, make_obs(0.9, itl_p99_s=0.120), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == math.ceil(2048 * math.sqrt(0.9 / 1.2))
+    # First tokens further over than the gaps: a cut would move the pain to the worse tail.
+    decision = decide(spec, window, make_obs(1.3, itl_p99_s=0.110), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 2048
+    # First tokens over, gaps within but close: raised to balance, never past 95 % of the gap target.
+    decision = decide(spec, window, make_obs(1.4, itl_p99_s=0.080), PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == math.floor(2048 * 0.95 / 0.8)
 
 
 def test_an_unset_budget_counts_as_the_top_of_its_bounds_when_it_must_come_down() -> None:
@@ -197,7 +210,7 @@ def test_first_tokens_under_pressure_raise_the_budget_towards_the_inter_token_se
 
 def test_a_cut_sets_a_ceiling_that_raises_respect_until_the_gaps_have_been_calm() -> None:
     spec, window = itl_spec(budget=2000)
-    cut = decide(spec, window, make_obs(0.5, itl_p99_s=0.17), PolicyState(), 100.0)
+    cut = decide(spec, window, make_obs(0.2, itl_p99_s=0.17), PolicyState(), 100.0)
     assert cut.window.max_prefill_tokens == 1000  # the step limit (x0.5) binds before 0.85 / 1.7
     assert cut.state.budget_ceiling == 1000
     # Later, first tokens under pressure and gaps with room: no raise past the ceiling.
