@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "batchpilot_runtime.loadgen_cli",
     "batchpilot_runtime.generate_cli",
     "batchpilot_runtime.calibrate_cli",
+    "batchpilot_runtime.servegen",
 )
 
 
