@@ -54,6 +54,8 @@ class Outcome:
     decisions: int
     aborted: bool
     requests: int
+    rejected: int  # refused at arrival: a full queue, or a request that can never fit (an explicit error)
+    unfinished: int  # accepted and not finished when the replay stopped
     final_window: Window
 
     @property
@@ -72,6 +74,8 @@ class Outcome:
             "goodput_requests_per_s": self.goodput_requests_per_s,
             "slo_attainment": self.slo_attainment,
             "decisions": self.decisions,
+            "rejected": self.rejected,
+            "unfinished": self.unfinished,
             "meets": self.meets,
             "window": self.final_window.model_dump(by_alias=True, mode="json"),
         }
@@ -178,6 +182,8 @@ def judge(result: SimResult, multiplier: float, slo: DualSLO) -> Outcome:
         decisions=result.window_changes,
         aborted=result.aborted,
         requests=n,
+        rejected=sum(1 for r in records if r.rejected),
+        unfinished=sum(1 for r in records if math.isnan(r.finished_s) and not r.rejected),
         final_window=result.final_window,
         ttft_target_s=slo.ttft_p99_s,
         itl_target_s=slo.itl_p99_s,
@@ -187,21 +193,25 @@ def judge(result: SimResult, multiplier: float, slo: DualSLO) -> Outcome:
 def bisect_capacity(
     meets: Callable[[float], bool], lo: float = 0.02, hi: float = 1.5, tolerance: float = 0.01
 ) -> float:
-    """Largest multiplier in [lo, hi] (to ``tolerance``) at which ``meets`` holds; 0 when it fails at ``lo``.
+    """Largest multiplier on the ``tolerance`` grid in [lo, hi] at which ``meets`` holds, as found by
+    bisection; 0 when it fails at ``lo``. Every multiplier tried lies on the grid, so the answer is
+    one that was run and met the SLO.
 
     Assumes a monotone answer (more load never helps), which holds in the simulator up to noise:
     the bisection reports the edge it finds, not a guarantee that every lower load meets."""
-    if not meets(lo):
+    low = math.ceil(lo / tolerance - 1e-9)
+    high = math.floor(hi / tolerance + 1e-9)
+    if not meets(round(low * tolerance, 6)):
         return 0.0
-    if meets(hi):
-        return hi
-    while hi - lo > tolerance + 1e-12:
-        mid = round((lo + hi) / 2, 6)
-        if meets(mid):
-            lo = mid
+    if meets(round(high * tolerance, 6)):
+        return round(high * tolerance, 6)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if meets(round(mid * tolerance, 6)):
+            low = mid
         else:
-            hi = mid
-    return math.floor(lo / tolerance + 1e-9) * tolerance
+            high = mid
+    return round(low * tolerance, 6)
 
 
 def scaled_cost(cost: CostModel, factor: float) -> CostModel:

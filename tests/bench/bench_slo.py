@@ -158,6 +158,8 @@ def run_job(job: Job) -> dict[str, Any]:
             "goodput_requests_per_s": outcome.goodput_requests_per_s,
             "slo_attainment": outcome.slo_attainment,
             "decisions": outcome.decisions,
+            "rejected": outcome.rejected,
+            "unfinished": outcome.unfinished,
             "decisions_per_hour": outcome.decisions / (job.requests[-1].arrival_s / max(capacity, 0.02) / 3600.0),
             "final_window": outcome.final_window.model_dump(by_alias=True, mode="json"),
         },

@@ -28,6 +28,9 @@ def test_bisection_finds_the_edge_of_a_monotone_answer(edge: float, tolerance: f
     assert found <= edge + 1e-9
     assert edge - found <= 2 * tolerance
     assert len(calls) <= 2 + math.ceil(math.log2(1.48 / tolerance))
+    # Every load tried is on the grid, and the answer is one that was tried and met.
+    assert all(abs(m / tolerance - round(m / tolerance)) < 1e-6 for m in calls)
+    assert found == 0.0 or found in calls
 
 
 def test_bisection_says_zero_when_even_the_lightest_load_fails_and_the_top_when_all_pass() -> None:
