@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-itl-ms", type=float)
     parser.add_argument("--quick", action="store_true", help="10-minute replays, a coarser grid (under 5 minutes)")
     parser.add_argument("--no-servegen", action="store_true", help="only the Azure replay")
+    parser.add_argument("--minutes", type=float, help="replay length (default 30; 10 with --quick)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -285,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     slos = (
         (DualSLO(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0),) if args.slo_ttft_ms is not None else SLO_PAIRS
     )
-    minutes = 10.0 if args.quick else 30.0
+    minutes = args.minutes if args.minutes is not None else (10.0 if args.quick else 30.0)
+    if not minutes > 0:
+        parser.error(f"--minutes must be > 0, got {minutes}")
     tolerance = 0.02 if args.quick else 0.01
     cost = A100_LLAMA2_7B
     began = time.perf_counter()

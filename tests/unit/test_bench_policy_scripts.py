@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench import bench_policy, bench_policy_loads
+from tests.bench import bench_policy, bench_policy_loads, bench_slo
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +59,24 @@ def test_bench_policy_loads_sweeps_every_load_and_policy(tmp_path: Path) -> None
 def test_bench_policy_loads_refuses_a_nonpositive_load() -> None:
     with pytest.raises(SystemExit):
         bench_policy_loads.main(["--loads", "0"])
+
+
+def test_bench_slo_writes_the_issue_fields_and_the_hindsight_search_beats_the_grid_windows(tmp_path: Path) -> None:
+    out = tmp_path / "slo.json"
+    argv = ["--quick", "--minutes", "3", "--no-servegen", "--slo-ttft-ms", "1000", "--slo-itl-ms", "100"]
+    assert bench_slo.main([*argv, "--workers", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["slo"] == {"ttft_p99_s": 1.0, "itl_p99_s": 0.1}
+    policies = {"adaptive", "best_static", "engine_defaults", "starting_window", "per_step_itl"}
+    assert set(report["capacity"]) == policies
+    assert report["engine_defaults_window"] == {"targetBatchSize": 1, "hardCap": 256, "maxWaitMs": 0,
+                                                "tailMarkRatio": 2.0, "maxPrefillTokens": 2048, "generation": 0}  # fmt: skip
+    for policy in policies:
+        figures = report["at_capacity"][policy]
+        assert {"ttft_p99_s", "itl_p99_s", "goodput_requests_per_s", "slo_attainment"} <= set(figures)
+        if report["capacity"][policy] > 0:
+            assert figures["unfinished"] == 0
+    # The engine defaults are one of the quick grid's windows: the search in hindsight is at least as good.
+    assert report["capacity"]["best_static"] >= report["capacity"]["engine_defaults"]
+    assert report["step_cost_change"]["intervals_to_recover"] >= 0
+    assert report["steady_load"]["decisions_per_hour"] >= 0
