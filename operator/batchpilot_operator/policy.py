@@ -319,7 +319,6 @@ class BudgetMove:
     budget: int | None
     why: str = ""
     itl_over: bool = False
-    at_floor: bool = False
 
 
 def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
@@ -363,12 +362,12 @@ def budget_move(
         factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
         if factor > 1.0 - config.budget_min_change:
             # First tokens at least as far over: a cut would only move the pain to the worse tail.
-            return BudgetMove(budget, itl_over=True, at_floor=current <= bound.min)
+            return BudgetMove(budget, itl_over=True)
         new = _limit_int(current, current * factor, fraction, bound.min, bound.max)
         if new == budget:
-            return BudgetMove(budget, itl_over=True, at_floor=new <= bound.min)
+            return BudgetMove(budget, itl_over=True)
         why = f"lowering the prefill budget to {new} tokens ({itl_text} over its {target_text} target)"
-        return BudgetMove(new, why, itl_over=True, at_floor=new <= bound.min)
+        return BudgetMove(new, why, itl_over=True)
     if budget is None:
         return BudgetMove(budget)
     if ratio < config.itl_raise_ratio and ttft_ratio > config.budget_raise_ttft_ratio:
@@ -511,18 +510,30 @@ def decide(
     cut = fraction * severity
     new_cap = cap
     cap_why = ""
+    slow_steps = over and step_time_s(obs) > config.step_slo_share * slo_s
+    budget_floor = bounds.max_prefill_tokens.min
+    floor_gaps = itl_over and (window.max_prefill_tokens or bounds.max_prefill_tokens.max) <= budget_floor
     if queue_bound and not soft_full and cap < ceiling:
         # A backlog that the running batch cannot absorb is a throughput problem, whatever P99 says.
         new_cap = _limit_int(cap, cap * (1 + fraction), fraction, cap_floor, min(ceiling, bounds.hard_cap.max))
         cap_why = f"raising the cap to {new_cap} ({queue:.0f} waiting with the batch at its cap)"
-    elif over and cap_reached and not queue_bound and step_time_s(obs) > config.step_slo_share * slo_s:
-        new_cap = _limit_int(cap, cap * (1 - cut), fraction, cap_floor, bounds.hard_cap.max)
-        cap_why = f"lowering the cap to {new_cap} (steps of {step_time_s(obs) * 1000:.0f} ms at this batch are too long for the SLO)"
-    elif itl_over and budget.at_floor and cap_reached and not queue_bound:
-        # The budget cannot shorten steps any further: what is left of a step is the batch's decode.
-        itl_cut = fraction * (1.0 if math.isinf(itl) else min(1.0, max(0.3, itl - 1.0)))
-        new_cap = _limit_int(cap, cap * (1 - itl_cut), fraction, cap_floor, bounds.hard_cap.max)
-        cap_why = f"lowering the cap to {new_cap} (the prefill budget is at its floor and gaps are still too long)"
+    elif cap_reached and not queue_bound and (slow_steps or floor_gaps):
+        # The cap comes down for latency when the batch itself is slow: steps too long for the TTFT
+        # SLO, or gaps too long with the budget already at its floor (what is left of a step is the
+        # batch's decode). Both read the window in force, not this decision's other moves, and the
+        # deeper cut wins, so that a worse first-token P99 never leaves a larger cap.
+        cap_cuts: list[tuple[int, str]] = []
+        if slow_steps:
+            ttft_cap = _limit_int(cap, cap * (1 - cut), fraction, cap_floor, bounds.hard_cap.max)
+            cap_cuts.append(
+                (ttft_cap, f"steps of {step_time_s(obs) * 1000:.0f} ms at this batch are too long for the SLO")
+            )
+        if floor_gaps:
+            itl_cut = fraction * (1.0 if math.isinf(itl) else min(1.0, max(0.3, itl - 1.0)))
+            itl_cap = _limit_int(cap, cap * (1 - itl_cut), fraction, cap_floor, bounds.hard_cap.max)
+            cap_cuts.append((itl_cap, "the prefill budget is at its floor and gaps are still too long"))
+        new_cap, why = min(cap_cuts)
+        cap_why = f"lowering the cap to {new_cap} ({why})"
     elif (
         not over
         and not itl_over
