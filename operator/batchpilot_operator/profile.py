@@ -133,42 +133,37 @@ class SLO(CamelModel):
         return self
 
 
-class IntRange(CamelModel):
+class _OrderedIntRange(CamelModel):
+    """A min..max pair of integers (the fields and their limits are the subclass's)."""
+
+    min: int
+    max: int
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _OrderedIntRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
+        return self
+
+    def clamp(self, value: int) -> int:
+        return max(self.min, min(self.max, value))
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+
+class IntRange(_OrderedIntRange):
     model_config = _cel("self.min <= self.max", "min must be less than or equal to max")
 
     min: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Lowest value the operator may set.")
     max: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Highest value the operator may set.")
 
-    @model_validator(mode="after")
-    def _ordered(self) -> IntRange:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
-        return self
 
-    def clamp(self, value: int) -> int:
-        return max(self.min, min(self.max, value))
-
-    def contains(self, value: float) -> bool:
-        return self.min <= value <= self.max
-
-
-class TokenRange(CamelModel):
+class TokenRange(_OrderedIntRange):
     model_config = _cel("self.min <= self.max", "min must be less than or equal to max")
 
     min: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Lowest value the operator may set.")
     max: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Highest value the operator may set.")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> TokenRange:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
-        return self
-
-    def clamp(self, value: int) -> int:
-        return max(self.min, min(self.max, value))
-
-    def contains(self, value: float) -> bool:
-        return self.min <= value <= self.max
 
 
 class FloatRange(CamelModel):
