@@ -10,12 +10,13 @@ scaling used) is printed and, with --json, written to a file.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 

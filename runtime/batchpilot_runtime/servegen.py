@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from batchpilot_runtime.loadgen_cli import _positive_float, _positive_int
 from batchpilot_runtime.trace import TRACE_COLUMNS, TraceRequest
 
 # The shared data, where the project is checked out beside ../shared (as trace.SHARED_TRACE_PATH).
@@ -709,20 +710,6 @@ def _hours(text: str) -> tuple[float, float]:
     if not (0 <= first < last <= 24):
         raise argparse.ArgumentTypeError(f"need 0 <= START < END <= 24, got {text!r}")
     return first, last
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
