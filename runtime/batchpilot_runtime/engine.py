@@ -10,7 +10,9 @@ touches the scheduler, the model and the KV cache; ``submit``/``abort``/``update
 hand it commands through a condition-guarded inbox, and it hands events back to each
 request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (one call per step and loop).
 It sleeps on the condition until a command arrives or the scheduler's next deadline
-(the wait or tail rule) falls due, so an idle engine costs no CPU.
+(the wait or tail rule) falls due, so an idle engine costs no CPU. A watchdog
+(``watchdog.EngineWatchdog``) is told of every step and every such sleep, so that a step that
+never returns shows in ``AsyncEngine.health()`` (and so in /healthz and /metrics).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from batchpilot_runtime.scheduler import (
     StepStats,
 )
 from batchpilot_runtime.tokenizer import Tokenizer, load_tokenizer
+from batchpilot_runtime.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
 from batchpilot_runtime.window import MAX_BATCH_SIZE, Window
 
 __all__ = [
@@ -74,7 +77,8 @@ DEFAULT_MAX_QUEUE = 1024
 # engine thread re-checks after this long instead of spinning.
 _MIN_IDLE_WAIT_S = 0.001
 # With requests in the scheduler but neither a plan nor a deadline (nothing should do
-# that), re-check at this period so that a scheduler oversight cannot hang a request.
+# that), re-check at this period so that a scheduler oversight cannot hang a request; the
+# watchdog counts these waits towards a stall.
 _STALLED_POLL_S = 0.05
 
 _FINISH_RATE_SAMPLES = 64
@@ -525,10 +529,11 @@ class AsyncEngine:
     """Runs ``Engine.step`` on its own thread; never blocks the asyncio loop.
 
     Invariant: only the engine thread calls the ``Engine`` (scheduler, model, KV). Callers
-    touch nothing but the inbox, and a few fields of this object guarded by ``_cond``.
+    touch nothing but the inbox, and a few fields of this object guarded by ``_cond``; the
+    engine thread never holds ``_cond`` during a step, so ``health()`` answers while one hangs.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.engine = engine
         self._cond = threading.Condition()
         # Guarded by _cond:
@@ -538,6 +543,7 @@ class AsyncEngine:
         self._pending_submits = 0
         self._request_ids: set[str] = set()  # submitted and not yet finished
         self._window_state = engine.window_state()
+        self._watchdog = EngineWatchdog(stall_timeout_s, engine.clock())
         # Written by the engine thread only (a reference swap), read by anyone:
         self._load = engine.load()
         self._failure: str | None = None
@@ -580,6 +586,12 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         return self._load
 
+    def health(self) -> EngineHealth:
+        """The watchdog's reading: whether pending requests have gone without a step for longer
+        than the stall timeout (a hung step), and for how long. Safe from any thread."""
+        with self._cond:
+            return self._watchdog.check(self.engine.clock())
+
     # -- requests -----------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -604,7 +616,9 @@ class AsyncEngine:
                 )
             self._pending_submits += 1
             self._request_ids.add(request.request_id)
-            self._inbox.append(_Submit(request, self.engine.clock(), _Sink(loop, queue)))
+            now_s = self.engine.clock()
+            self._watchdog.requests_pending(now_s, len(self._request_ids))
+            self._inbox.append(_Submit(request, now_s, _Sink(loop, queue)))
             self._cond.notify()
         return self._stream(request.request_id, queue)
 
@@ -699,6 +713,10 @@ class AsyncEngine:
                 # 2. One step, unless there is nothing to run now.
                 steps_before = engine.steps_run
                 events = self._step_guarded()
+                stepped = engine.steps_run != steps_before
+                if stepped or events:  # a step ran, or failed and ended its requests
+                    with self._cond:
+                        self._watchdog.step_ended(engine.clock())
                 if self._deferred:
                     # The step's schedule() applied the staged lanes these requests wait for.
                     deferred, self._deferred = self._deferred, []
@@ -706,13 +724,13 @@ class AsyncEngine:
                     events += self._apply(deferred)
                 self._load = engine.load()
                 self._dispatch(events)
-                if engine.steps_run != steps_before:
+                if stepped:
                     continue
                 # 3. Idle: sleep until a command arrives or the next admission deadline.
                 with self._cond:
                     if self._inbox or self._stop != stop:
                         continue
-                    self._cond.wait(self._idle_timeout_s())
+                    self._idle_wait()
         except BaseException as error:  # the thread must not die silently
             log.exception("engine thread failed")
             self._fail_everything(f"engine failure: {error!r}")
@@ -764,6 +782,17 @@ class AsyncEngine:
                 if (event := self.engine.finish(request_id, "error", message)) is not None
             ]
 
+    def _idle_wait(self) -> None:
+        """Sleep on ``_cond`` (held) until a command or the scheduler's next deadline. The watchdog
+        does not count a sleep the scheduler asked for, nor one with no request in the scheduler."""
+        engine = self.engine
+        by_design = not engine.has_unfinished or engine.next_deadline_s() is not None
+        if by_design:
+            self._watchdog.wait_started()
+        self._cond.wait(self._idle_timeout_s())
+        if by_design:
+            self._watchdog.wait_ended(engine.clock())
+
     def _idle_timeout_s(self) -> float | None:
         deadline_s = self.engine.next_deadline_s()
         if deadline_s is None:
@@ -786,6 +815,7 @@ class AsyncEngine:
         if finished:
             with self._cond:
                 self._request_ids.difference_update(finished)
+                self._watchdog.requests_pending(self.engine.clock(), len(self._request_ids))
             self._update_retry_after(len(finished))
         for loop, batch in by_loop.items():
             try:

@@ -93,6 +93,8 @@ PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
 TAIL_MARKED_TOTAL = "batchpilot_tail_marked_total"
 ADMISSIONS_TOTAL = "batchpilot_admissions_total"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
+ENGINE_STALLED = "batchpilot_engine_stalled"
+ENGINE_STALL_SECONDS = "batchpilot_engine_stall_seconds"
 
 RUNTIME_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -153,6 +155,17 @@ RUNTIME_METRICS: tuple[MetricSpec, ...] = (
         ADMISSIONS_TOTAL, "counter", "Admission decisions, by the rule that fired.", (LABEL_MODEL, LABEL_REASON)
     ),
     MetricSpec(PREEMPTIONS_TOTAL, "counter", "Sequences preempted for lack of KV cache (recomputed later)."),
+    MetricSpec(
+        ENGINE_STALLED,
+        "gauge",
+        "1 while the engine is stalled (pending requests, no step for longer than the stall timeout; "
+        "/healthz fails), else 0.",
+    ),
+    MetricSpec(
+        ENGINE_STALL_SECONDS,
+        "gauge",
+        "Seconds pending requests have gone without an engine step (0 when idle or waiting for an admission deadline).",
+    ),
 )
 
 

@@ -8,9 +8,12 @@ variable ``BATCHPILOT_LANE`` holds several lanes separated by ``;``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+from batchpilot_runtime.watchdog import DEFAULT_STALL_TIMEOUT_S
 
 ENV_PREFIX = "BATCHPILOT_"
 
@@ -120,6 +123,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="write a JSON file with the pid, URLs and token file once ready (for port 0 and launchers)",
     )
     _add(net, "--drain-timeout-s", default=600.0, type=float, help="longest SIGTERM drain before forcing exit")
+    _add(
+        net,
+        "--engine-stall-timeout-s",
+        default=DEFAULT_STALL_TIMEOUT_S,
+        type=float,
+        help="seconds pending requests may go without an engine step before /healthz and /readyz fail "
+        "(keep it above the longest prefill step)",
+    )
     _add(net, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     parser.set_defaults(handler=_cmd_serve)
 
@@ -137,6 +148,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"--checkpoint {args.checkpoint}: not a directory")
     if args.drain_timeout_s <= 0:
         raise ValueError(f"--drain-timeout-s must be > 0, got {args.drain_timeout_s}")
+    if not (math.isfinite(args.engine_stall_timeout_s) and args.engine_stall_timeout_s > 0):
+        raise ValueError(f"--engine-stall-timeout-s must be a finite number > 0, got {args.engine_stall_timeout_s}")
     preset = args.preset if args.checkpoint is None else "checkpoint"
     return ServeConfig(
         model_name=args.model_name or (Path(args.checkpoint).name if args.checkpoint else f"batchpilot-{preset}"),
@@ -158,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         threads=args.threads,
         ready_file=args.ready_file,
         drain_timeout_s=args.drain_timeout_s,
+        engine_stall_timeout_s=args.engine_stall_timeout_s,
         log_level=args.log_level,
     )
 

@@ -245,6 +245,17 @@ def test_models_get_deployment_service_and_profile(rendered: dict[str, list[dict
     assert not [a for a in cpu_container["args"] if a.startswith("--kv-cache-tokens")]
 
 
+def test_runtimes_get_the_engine_stall_timeout(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The runtime default, or the model's own (a CPU model with long whole-prompt prefills)."""
+    docs = rendered["all-on"]
+    for name, flag in (("chat", "--engine-stall-timeout-s=120"), ("summarize", "--engine-stall-timeout-s=300")):
+        args = one(docs, "Deployment", f"bp-batchpilot-{name}")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert flag in args, args
+        assert runtime_cli.build_parser().parse_args(args).engine_stall_timeout_s == float(flag.split("=")[1])
+    with pytest.raises(AssertionError, match="engineStallTimeoutSeconds"):
+        helm_template(ALL_ON, sets=["models[0].engineStallTimeoutSeconds=0"])
+
+
 def test_a_profile_the_crd_refuses_is_caught() -> None:
     docs = helm_template(ALL_ON, sets=["models[0].profile.window.targetBatchSize=40"])  # above hardCap 32
     _, errors = validate_object(custom_resource_definition(), one(docs, "BatchProfile", "bp-batchpilot-chat"))

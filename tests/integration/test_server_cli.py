@@ -24,6 +24,7 @@ def test_defaults_give_a_valid_config() -> None:
     assert (config.window.target_batch_size, config.window.hard_cap, config.window.generation) == (8, 16, 0)
     assert config.kv_cache_tokens is None
     assert config.lanes == ()
+    assert config.engine_stall_timeout_s == 120.0
 
 
 def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -47,6 +48,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
         "MAX_MODEL_LEN": "1024",
         "LANE": "critical:target=1,cap=2,wait=0,reserved=1",
         "DRAIN_TIMEOUT_S": "9",
+        "ENGINE_STALL_TIMEOUT_S": "45",
         "LOG_LEVEL": "debug",
         "DEVICE": "cpu",
         "THREADS": "1",
@@ -64,6 +66,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
     assert (config.max_queue, config.seed, config.max_prefill_tokens, config.max_model_len) == (11, 42, 256, 1024)
     assert [lane.name for lane in config.lanes] == ["critical"]
     assert config.drain_timeout_s == 9.0
+    assert config.engine_stall_timeout_s == 45.0
     assert config.device == "cpu"
     assert config.threads == 1
     # A flag on the command line wins over its variable.
@@ -94,6 +97,10 @@ def test_lanes_take_defaults_from_the_main_window() -> None:
         (["--lane", "default:cap=2"], "'default' is the main window"),
         (["--lane", "a:cap=2", "--lane", "a:cap=3"], "given twice: a"),
         (["--drain-timeout-s", "0"], "--drain-timeout-s"),
+        (["--engine-stall-timeout-s", "0"], "--engine-stall-timeout-s must be a finite number > 0, got 0.0"),
+        (["--engine-stall-timeout-s", "-5"], "--engine-stall-timeout-s"),
+        (["--engine-stall-timeout-s", "inf"], "--engine-stall-timeout-s must be a finite number > 0, got inf"),
+        (["--engine-stall-timeout-s", "nan"], "--engine-stall-timeout-s"),
     ],
 )
 def test_bad_settings_name_the_flag(argv: list[str], message: str) -> None:

@@ -9,6 +9,7 @@ from batchpilot_runtime import metric_names as mn
 from batchpilot_runtime.admin_api import LaneWindow, PodCapacity, WindowState
 from batchpilot_runtime.scheduler import RequestTimings, StepStats
 from batchpilot_runtime.server.metrics import MetricsExporter, normalize_outcome
+from batchpilot_runtime.watchdog import EngineHealth
 from batchpilot_runtime.window import Window
 
 
@@ -173,6 +174,16 @@ def test_window_gauges_and_lanes_follow_on_window() -> None:
     assert value(exporter, mn.WINDOW_MAX_WAIT_SECONDS) == pytest.approx(0.035)
     assert value(exporter, mn.WINDOW_GENERATION) == 7.0
     assert value(exporter, f"{mn.TTFT_SECONDS}_count", lane="critical") == 0.0
+
+
+def test_engine_gauges_read_the_watchdog_at_each_scrape() -> None:
+    exporter = MetricsExporter("m")
+    assert (value(exporter, mn.ENGINE_STALLED), value(exporter, mn.ENGINE_STALL_SECONDS)) == (0.0, 0.0)
+    readings = [EngineHealth(False, 12.5, 2, 60.0)]
+    exporter.watch_engine(lambda: readings[-1])
+    assert (value(exporter, mn.ENGINE_STALLED), value(exporter, mn.ENGINE_STALL_SECONDS)) == (0.0, 12.5)
+    readings.append(EngineHealth(True, 75.0, 2, 60.0))
+    assert (value(exporter, mn.ENGINE_STALLED), value(exporter, mn.ENGINE_STALL_SECONDS)) == (1.0, 75.0)
 
 
 def test_histograms_use_the_contract_buckets() -> None:

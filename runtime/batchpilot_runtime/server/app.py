@@ -240,10 +240,10 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        """Liveness: fails only when the engine loop died after the model loaded."""
-        loaded = ctx.loaded
-        if loaded is not None and not ctx.draining and not loaded.engine.is_alive():
-            return JSONResponse({"status": "engine loop died"}, status_code=503)
+        """Liveness: fails when the engine loop died or stalled after the model loaded."""
+        reason = ctx.not_live_reason()
+        if reason is not None:
+            return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from batchpilot_runtime.admin_api import LaneWindow
+from batchpilot_runtime.watchdog import DEFAULT_STALL_TIMEOUT_S
 from batchpilot_runtime.window import Window
 
 # Flag names of the window fields, so that an error names what the user typed.
@@ -48,6 +49,7 @@ class ServeConfig:
     threads: int | None = None  # torch intra-op threads; None: torch's choice
     ready_file: Path | None = None
     drain_timeout_s: float = 600.0
+    engine_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # pending requests without a step: /healthz fails
     log_level: str = "info"
     extra: dict[str, str] = field(default_factory=dict)
 

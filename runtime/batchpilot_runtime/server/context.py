@@ -4,6 +4,7 @@ process's lifecycle flags. One object per runtime; only the event loop's thread 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -13,6 +14,8 @@ from batchpilot_runtime.server.metrics import MetricsExporter
 
 if TYPE_CHECKING:
     from batchpilot_runtime.engine import AsyncEngine
+
+logger = logging.getLogger("batchpilot.server")
 
 DEFAULT_LANE = "default"
 
@@ -50,6 +53,7 @@ class ServingContext:
     no_inflight: asyncio.Event = field(default_factory=asyncio.Event)
     lanes: frozenset[str] = frozenset({DEFAULT_LANE})
     created_unix_s: int = field(default_factory=lambda: int(time.time()))
+    stall_reported: bool = False  # the log says "engine stalled" once per stall, when a probe first sees it
 
     def __post_init__(self) -> None:
         self.no_inflight.set()
@@ -67,6 +71,16 @@ class ServingContext:
         self.lanes = frozenset({DEFAULT_LANE, *(lane.name for lane in state.lanes)})
         self.metrics.on_window(state)
 
+    def not_live_reason(self) -> str | None:
+        """Why /healthz fails: the engine loop died, or stalled (see ``watchdog``). Never while the
+        model loads or the process drains, so that a slow load or drain is not restarted."""
+        loaded = self.loaded
+        if loaded is None or self.draining:
+            return None
+        if not loaded.engine.is_alive():
+            return "engine loop died"
+        return self._stall_reason(loaded)
+
     def not_ready_reason(self) -> str | None:
         if self.draining:
             return "draining"
@@ -74,4 +88,14 @@ class ServingContext:
             return "model loading"
         if not self.loaded.engine.is_alive():
             return "engine loop not running"
-        return None
+        return self._stall_reason(self.loaded)
+
+    def _stall_reason(self, loaded: LoadedModel) -> str | None:
+        reason = loaded.engine.health().reason
+        if (reason is not None) != self.stall_reported:
+            self.stall_reported = reason is not None
+            if reason is not None:
+                logger.error(reason)
+            else:
+                logger.info("engine stall cleared")
+        return reason

@@ -9,7 +9,7 @@ runtimes can live in one process (tests, the demo).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +20,7 @@ from batchpilot_runtime.admin_api import WindowState
 
 if TYPE_CHECKING:
     from batchpilot_runtime.scheduler import RequestTimings, StepStats
+    from batchpilot_runtime.watchdog import EngineHealth
 
 EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Finish reasons and engine outcomes that count as a completed request.
@@ -67,6 +68,8 @@ class MetricsExporter:
             mn.WINDOW_MAX_WAIT_SECONDS,
             mn.WINDOW_GENERATION,
             mn.WINDOW_MAX_PREFILL_TOKENS,
+            mn.ENGINE_STALLED,
+            mn.ENGINE_STALL_SECONDS,
         ):
             self._gauges[name].labels(model=model)
         for name in (mn.GENERATED_TOKENS_TOTAL, mn.PROMPT_TOKENS_TOTAL, mn.TAIL_MARKED_TOTAL, mn.PREEMPTIONS_TOTAL):
@@ -163,6 +166,12 @@ class MetricsExporter:
         self._gauges[mn.QUEUE_DEPTH].labels(model=model).set(queue_depth)
         self._gauges[mn.RUNNING_SEQUENCES].labels(model=model).set(running)
         self._gauges[mn.KV_CACHE_USAGE_RATIO].labels(model=model).set(kv_usage_ratio)
+
+    def watch_engine(self, health: Callable[[], EngineHealth]) -> None:
+        """Read the engine watchdog at every scrape: a hung engine thread cannot report itself."""
+        model = self.model_name
+        self._gauges[mn.ENGINE_STALLED].labels(model=model).set_function(lambda: float(health().stalled))
+        self._gauges[mn.ENGINE_STALL_SECONDS].labels(model=model).set_function(lambda: health().stall_s)
 
     def exposition(self) -> bytes:
         """The text exposition format (version 0.0.4) of every metric."""

@@ -105,7 +105,7 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
         device=config.device,
         observer=metrics,
     )
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, stall_timeout_s=config.engine_stall_timeout_s)
     return LoadedModel(
         engine=async_engine,
         tokenizer=cast(TextCodec, engine.tokenizer),
@@ -194,6 +194,7 @@ class Runtime:
             loaded = await load_task
             await loaded.engine.start()
             self.ctx.loaded = loaded
+            self.metrics.watch_engine(loaded.engine.health)
             self.ctx.window_changed(loaded.engine.window_state())
             # 2. Ready: both servers listening, engine running.
             while not all(s.started for s in servers):
