@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from batchpilot_runtime.admin_api import ADMIN_WINDOW_PATH, AdminError, WindowState, WindowUpdate
 from batchpilot_runtime.engine import InvalidWindowError, StaleGenerationError
-from batchpilot_runtime.server.app import ApiError, read_body
+from batchpilot_runtime.server.app import ApiError, decode_json, error_message, read_body
 from batchpilot_runtime.server.context import ServingContext
 from batchpilot_runtime.server.logs import RequestIdMiddleware
 
@@ -43,7 +43,7 @@ def describe_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors(include_url=False):
         path = ".".join(str(p) for p in item["loc"]) or "body"
-        lines.append(f"{path}: {item['msg']}")
+        lines.append(f"{path}: {error_message(item)}")
     return "; ".join(lines)
 
 
@@ -90,11 +90,15 @@ def create_admin_app(ctx: ServingContext) -> FastAPI:
             )
         if ctx.loaded is None:
             return _refusal(503, "loading", "the model is still loading", ctx)
-        # 2. Validate the body against the wire model.
+        # 2. Decode the body as strict JSON and validate it against the wire model.
         try:
-            update = WindowUpdate.model_validate_json(await read_body(request, MAX_ADMIN_BODY_BYTES))
+            raw = await read_body(request, MAX_ADMIN_BODY_BYTES)
         except ApiError as error:
             return _refusal(413, "too_large", error.message, ctx)
+        try:
+            update = WindowUpdate.model_validate(decode_json(raw))
+        except ApiError as error:
+            return _refusal(422, "invalid_window", error.message, ctx)
         except ValidationError as error:
             return _refusal(422, "invalid_window", describe_validation_error(error), ctx)
         # 3. Let the engine decide against what is in force and what the pod can hold.
