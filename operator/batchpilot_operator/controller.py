@@ -788,25 +788,7 @@ class Controller:
                 clamps or f"{len(ready)} Ready pods run generation {window.generation if window else 0}",
             )
         obs = record.observations
-        slo = spec.slo
-        if obs is None or not (known(obs.p99_s) or obs.p99_saturated):
-            slo_met = ConditionFact(UNKNOWN, "NoData", "no latency data")
-        else:
-            over = obs.p99_saturated or obs.p99_s * 1000 > slo.p99_ms
-            p999_over = slo.p999_ms is not None and (
-                obs.p999_saturated or (known(obs.p999_s) and obs.p999_s * 1000 > slo.p999_ms)
-            )
-            text = f"P99 {obs.p99_s * 1000:.0f} ms vs SLO {slo.p99_ms:g} ms" + (
-                " (top bucket)" if obs.p99_saturated else ""
-            )
-            itl_over = False
-            if slo.inter_token_p99_ms is not None and (known(obs.itl_p99_s) or obs.itl_p99_saturated):
-                itl_over = obs.itl_p99_saturated or obs.itl_p99_s * 1000 > slo.inter_token_p99_ms
-                text += f"; inter-token P99 {obs.itl_p99_s * 1000:.0f} ms vs {slo.inter_token_p99_ms:g} ms"
-            if over or p999_over or itl_over:
-                slo_met = ConditionFact(FALSE, "SLOMissed", text + (" (P99.9 over)" if p999_over and not over else ""))
-            else:
-                slo_met = ConditionFact(TRUE, "SLOMet", text)
+        slo_met = _slo_fact(spec, obs)
         if synced.status == TRUE:
             ready_fact = ConditionFact(TRUE, "Ready", synced.message)
         else:
@@ -875,7 +857,8 @@ class Controller:
         ):
             self.metrics.profile_condition.labels(*labels, name).set({TRUE: 1.0, FALSE: 0.0}.get(fact.status, -1.0))
         metric = spec.slo.latency_metric.value
-        self.metrics.slo_seconds.labels(*labels, metric, "0.99").set(spec.slo.p99_ms / 1000)
+        if spec.slo.p99_ms is not None:
+            self.metrics.slo_seconds.labels(*labels, metric, "0.99").set(spec.slo.p99_ms / 1000)
         if spec.slo.p999_ms is not None:
             self.metrics.slo_seconds.labels(*labels, metric, "0.999").set(spec.slo.p999_ms / 1000)
         if spec.slo.inter_token_p99_ms is not None:
@@ -886,6 +869,28 @@ class Controller:
             self.metrics.window_wait.labels(*labels).set(record.window.max_wait_ms / 1000)
             self.metrics.window_generation.labels(*labels).set(record.window.generation)
             self.metrics.window_budget.labels(*labels).set(record.window.max_prefill_tokens or 0)
+
+
+def _slo_fact(spec: BatchProfileSpec, obs: Observations | None) -> ConditionFact:
+    """The SLOMet condition: False when any objective of the SLO is over, unknown with no data for any."""
+    slo = spec.slo
+    over = None if obs is None else policy_mod.slo_over(spec, obs)
+    if obs is None or over is None:
+        return ConditionFact(UNKNOWN, "NoData", "no latency data")
+    parts: list[str] = []
+    if slo.p99_ms is not None and not math.isnan(policy_mod.latency_ratio(spec, obs)):
+        parts.append(
+            f"P99 {obs.p99_s * 1000:.0f} ms vs SLO {slo.p99_ms:g} ms" + (" (top bucket)" if obs.p99_saturated else "")
+        )
+    p999_over = slo.p999_ms is not None and (
+        obs.p999_saturated or (known(obs.p999_s) and obs.p999_s * 1000 > slo.p999_ms)
+    )
+    if slo.inter_token_p99_ms is not None and not math.isnan(policy_mod.itl_ratio(spec, obs)):
+        parts.append(f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms vs {slo.inter_token_p99_ms:g} ms")
+    text = "; ".join(parts)
+    if over or p999_over:
+        return ConditionFact(FALSE, "SLOMissed", text + (" (P99.9 over)" if p999_over and not over else ""))
+    return ConditionFact(TRUE, "SLOMet", text)
 
 
 def _window_from_status(status: Mapping[str, Any] | None) -> Window | None:

@@ -79,6 +79,12 @@ when first tokens are over while the gaps are within target (towards the balance
 is not made. Otherwise it holds: a budget raised while nothing contends would only show its cost
 at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
 
+An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place
+of the P99 above wherever it decides alone: the data gate, headroom and the dead band; nothing
+is "over" for first tokens (no target and wait cuts, no latency cut of the cap for slow steps, no
+balance limiting a budget cut), and the budget rises, within the same ceiling, when the gaps are
+under 70 % of their target while prompts wait in the queue.
+
 Every field moves at most ``maxStepFraction`` of its value per decision (or one unit
 --- one sequence, 5 ms, 0.1 --- when that is larger, so that a field at 0 or 1 can
 move at all), every field stays within ``tuning.bounds``, and target <= cap always.
@@ -257,7 +263,9 @@ def desired_wait_ms(spec: BatchProfileSpec, target: int, obs: Observations, conf
     busy = busy_share(obs)
     if known(busy) and busy >= config.busy_share_no_wait:
         return float(bound.min)
-    budget_ms = min(float(bound.max), config.wait_slo_fraction * spec.slo.p99_ms)
+    slo_ms = spec.slo.p99_ms
+    # Without a latency objective of its own, the wait is only bounded by the bounds.
+    budget_ms = float(bound.max) if slo_ms is None else min(float(bound.max), config.wait_slo_fraction * slo_ms)
     running = obs.mean_batch_size if known(obs.mean_batch_size) else 0.0
     gap = max(1.0, target - running)
     rate = obs.arrival_rate_per_s
@@ -321,6 +329,23 @@ class BudgetMove:
     itl_over: bool = False
 
 
+def latency_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
+    """P99 of the SLO's latency metric over ``slo.p99Ms`` (inf when saturated; NaN without a
+    target or data)."""
+    target_ms = spec.slo.p99_ms
+    if target_ms is None:
+        return math.nan
+    if obs.p99_saturated:
+        return math.inf
+    return obs.p99_s * 1000.0 / target_ms if known(obs.p99_s) else math.nan
+
+
+def slo_over(spec: BatchProfileSpec, obs: Observations) -> bool | None:
+    """Whether any P99 objective of the SLO is over its target; None when none of them has data."""
+    ratios = [r for r in (latency_ratio(spec, obs), itl_ratio(spec, obs)) if not math.isnan(r)]
+    return any(r > 1.0 for r in ratios) if ratios else None
+
+
 def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
     """Inter-token P99 over its target (inf when saturated; NaN without a target or data)."""
     target_ms = spec.slo.inter_token_p99_ms
@@ -339,7 +364,8 @@ def budget_move(
     config: PolicyConfig,
     ceiling: int | None = None,
 ) -> BudgetMove:
-    """The budget from the two tails: see the module docstring."""
+    """The budget from the two tails: see the module docstring. ``ttft_ratio`` is NaN when the SLO
+    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead."""
     budget = window.max_prefill_tokens
     ratio = itl_ratio(spec, obs)
     if math.isnan(ratio):
@@ -356,7 +382,9 @@ def budget_move(
     top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
     # The gap grows about linearly with a step's prompt tokens and the first-token delay of a
     # queue about inversely: sqrt(TTFT ratio / gap ratio) is the move that would balance the two.
-    balance = math.sqrt(ttft_ratio / ratio) if ratio > 0 and not math.isnan(ttft_ratio) else math.inf
+    # Without a first-token objective nothing holds a cut back (balance 0).
+    first_tokens = not math.isnan(ttft_ratio)
+    balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
     if ratio > 1.0:
         # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
         factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
@@ -370,7 +398,13 @@ def budget_move(
         return BudgetMove(new, why, itl_over=True)
     if budget is None:
         return BudgetMove(budget)
-    if ratio < config.itl_raise_ratio and ttft_ratio > config.budget_raise_ttft_ratio:
+    # Without a first-token objective, prompts waiting in the queue are what asks for a larger budget.
+    first_tokens_wait = (
+        ttft_ratio > config.budget_raise_ttft_ratio
+        if first_tokens
+        else known(obs.queue_depth) and obs.queue_depth >= 1.0
+    )
+    if ratio < config.itl_raise_ratio and first_tokens_wait:
         factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
     elif ttft_ratio > 1.0:
         # First tokens over, gaps within target but close: balance, never past the gap target.
@@ -382,9 +416,8 @@ def budget_move(
     new = _limit_int(current, current * factor, fraction, bound.min, top)
     if new <= budget:
         return BudgetMove(budget)
-    why = (
-        f"raising the prefill budget to {new} tokens (first tokens need it; {itl_text} leaves room under {target_text})"
-    )
+    need = "first tokens need it" if first_tokens else f"{obs.queue_depth:.0f} prompts wait"
+    why = f"raising the prefill budget to {new} tokens ({need}; {itl_text} leaves room under {target_text})"
     return BudgetMove(new, why)
 
 
@@ -399,7 +432,8 @@ def decide(
     """One tuning decision. Pure: same inputs, same decision."""
     bounds = spec.tuning.bounds
     fraction = spec.tuning.max_step_fraction
-    slo_s = spec.slo.p99_ms / 1000.0
+    has_ttft = spec.slo.p99_ms is not None
+    slo_s = spec.slo.p99_ms / 1000.0 if spec.slo.p99_ms is not None else math.nan
 
     # 1. Fold this interval's step times into the friendliness curve (whatever else happens).
     curve = merge_curve(state.step_curve, obs.step_s_by_batch)
@@ -421,10 +455,13 @@ def decide(
         )
 
     # 3. Refuse to act on what cannot be trusted.
-    saturated = obs.p99_saturated
-    if not saturated and not known(obs.p99_s):
+    # NaN where the SLO has no such objective (the other one then decides alone) or no data.
+    ratio = latency_ratio(spec, obs)
+    itl = itl_ratio(spec, obs)
+    if math.isnan(ratio if has_ttft else itl):
+        what = "latency" if has_ttft else "inter-token"
         return hold(
-            "No latency data this interval (no traffic or no series); holding.", replace(state, headroom_streak=0)
+            f"No {what} data this interval (no traffic or no series); holding.", replace(state, headroom_streak=0)
         )
     if not known(obs.samples) or obs.samples < config.min_samples:
         samples = "an unknown number of" if not known(obs.samples) else f"{obs.samples:.0f}"
@@ -432,9 +469,19 @@ def decide(
             f"Too sparse: P99 rests on {samples} requests (< {config.min_samples}); holding.",
             replace(state, headroom_streak=0),
         )
-    ratio = math.inf if saturated else obs.p99_s / slo_s
-    p99_text = f"P99 beyond {obs.p99_s * 1000:.0f} ms (top bucket)" if saturated else f"P99 {obs.p99_s * 1000:.0f} ms"
-    slo_text = f"SLO {spec.slo.p99_ms:.0f} ms"
+    saturated = obs.p99_saturated
+    if spec.slo.p99_ms is not None:
+        p99_text = (
+            f"P99 beyond {obs.p99_s * 1000:.0f} ms (top bucket)" if saturated else f"P99 {obs.p99_s * 1000:.0f} ms"
+        )
+        slo_text = f"SLO {spec.slo.p99_ms:.0f} ms"
+    else:
+        p99_text = (
+            "inter-token P99 beyond the top bucket"
+            if obs.itl_p99_saturated
+            else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+        )
+        slo_text = f"its {spec.slo.inter_token_p99_ms:.0f} ms target"
 
     pressure = _memory_pressure(obs, config)
     calm = pressure is None and not (known(obs.kv_usage_ratio) and obs.kv_usage_ratio >= config.kv_soft_ratio)
@@ -447,9 +494,10 @@ def decide(
         if kv_ceiling >= bounds.hard_cap.max:
             kv_ceiling = None
     over = ratio > 1.0
-    itl = itl_ratio(spec, obs)
     itl_over = itl > 1.0
-    headroom = ratio < config.headroom_ratio and not itl_over
+    # The zones of target and wait follow the first-token objective, or the gaps when it is the only one.
+    zone_ratio = ratio if has_ttft else itl
+    headroom = zone_ratio < config.headroom_ratio and not itl_over
     headroom_streak = state.headroom_streak + 1 if headroom and pressure is None else 0
     # The same for the budget: a gap over its target sets a ceiling, lifted a step after calm.
     itl_calm_streak = state.itl_calm_streak + 1 if itl <= 1.0 else 0
@@ -603,7 +651,7 @@ def decide(
         want = desired_wait_ms(spec, target, obs, config)
         if target_fills_itself and not engine_busy:
             want = wait
-        if want < wait / 3 or (want > 3 * wait + WAIT_MIN_STEP_MS and ratio < 0.85):
+        if want < wait / 3 or (want > 3 * wait + WAIT_MIN_STEP_MS and zone_ratio < 0.85):
             new_wait = _limit_wait(wait, want, fraction, bounds.max_wait_ms.min, bounds.max_wait_ms.max)
             target_why = (
                 f"dropping the wait ({busy_why})"
@@ -656,6 +704,8 @@ def decide(
         direction = "up" if tail > window.tail_mark_ratio else "down"
     if over:
         lead = f"{p99_text} over {slo_text} ({'saturated' if saturated else f'{ratio:.2f}x the SLO'})"
+    elif itl_over and not has_ttft:
+        lead = f"{p99_text} over {slo_text}"
     elif itl_over:
         lead = f"{p99_text} within {slo_text}, inter-token P99 over its target"
     elif confirmed_headroom:

@@ -46,9 +46,11 @@ class TuningMode(StrEnum):
     STATIC = "static"
 
 
-def _cel(rule: str, message: str) -> ConfigDict:
-    """Model config that carries one CEL rule into the generated CRD schema."""
-    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [{"rule": rule, "message": message}]})
+def _cel(*rules: tuple[str, str]) -> ConfigDict:
+    """Model config that carries CEL rules, each ``(rule, message)``, into the generated CRD schema."""
+    return ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+    )
 
 
 class LabelSelectorRequirement(CamelModel):
@@ -98,38 +100,59 @@ class LabelSelector(CamelModel):
 
 
 class SLO(CamelModel):
-    """The latency objective the operator keeps the window under."""
+    """The latency objectives the operator keeps the window under: a first-token (or queue-wait,
+    or end-to-end) P99, an inter-token P99, or both at once."""
 
     model_config = _cel(
-        "!has(self.p999Ms) || self.p999Ms >= self.p99Ms",
-        "slo.p999Ms must be greater than or equal to slo.p99Ms",
+        (
+            "has(self.p99Ms) || has(self.interTokenP99Ms)",
+            "slo needs at least one objective: p99Ms or interTokenP99Ms",
+        ),
+        ("!has(self.p999Ms) || has(self.p99Ms)", "slo.p999Ms needs slo.p99Ms"),
+        (
+            "!has(self.p999Ms) || !has(self.p99Ms) || self.p999Ms >= self.p99Ms",
+            "slo.p999Ms must be greater than or equal to slo.p99Ms",
+        ),
     )
 
     latency_metric: LatencyMetric = Field(
         default=LatencyMetric.TTFT,
-        description="Which latency the SLO bounds: ttft (time to first token), queueWait, or e2e (whole request).",
+        description="Which latency p99Ms and p999Ms bound: ttft (time to first token), queueWait, or e2e (whole request).",
     )
-    p99_ms: float = Field(gt=0, le=3_600_000, description="Target 99th-percentile latency in milliseconds.")
+    p99_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=3_600_000,
+        description="Target 99th-percentile latency in milliseconds (of latencyMetric).",
+    )
     p999_ms: float | None = Field(
-        default=None, gt=0, le=3_600_000, description="Optional target 99.9th-percentile latency in milliseconds."
+        default=None,
+        gt=0,
+        le=3_600_000,
+        description="Optional target 99.9th-percentile latency in milliseconds; needs p99Ms.",
     )
     inter_token_p99_ms: float | None = Field(
         default=None,
         gt=0,
         le=60_000,
         description=(
-            "Optional target 99th-percentile inter-token latency in milliseconds (the gap between two "
-            "streamed tokens of one request), held together with p99Ms. With it the operator tunes "
+            "Target 99th-percentile inter-token latency in milliseconds (the gap between two streamed "
+            "tokens of one request), alone or together with p99Ms. With it the operator tunes "
             "window.maxPrefillTokens, the lever that trades first tokens against inter-token gaps."
         ),
     )
 
     @model_validator(mode="after")
-    def _p999_above_p99(self) -> SLO:
-        if self.p999_ms is not None and self.p999_ms < self.p99_ms:
-            raise ValueError(
-                f"slo.p999Ms ({self.p999_ms:g}) must be greater than or equal to slo.p99Ms ({self.p99_ms:g})"
-            )
+    def _objectives(self) -> SLO:
+        if self.p99_ms is None and self.inter_token_p99_ms is None:
+            raise ValueError("slo needs at least one objective: p99Ms or interTokenP99Ms")
+        if self.p999_ms is not None:
+            if self.p99_ms is None:
+                raise ValueError("slo.p999Ms needs slo.p99Ms")
+            if self.p999_ms < self.p99_ms:
+                raise ValueError(
+                    f"slo.p999Ms ({self.p999_ms:g}) must be greater than or equal to slo.p99Ms ({self.p99_ms:g})"
+                )
         return self
 
 
@@ -153,21 +176,21 @@ class _OrderedIntRange(CamelModel):
 
 
 class IntRange(_OrderedIntRange):
-    model_config = _cel("self.min <= self.max", "min must be less than or equal to max")
+    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
 
     min: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Lowest value the operator may set.")
     max: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Highest value the operator may set.")
 
 
 class TokenRange(_OrderedIntRange):
-    model_config = _cel("self.min <= self.max", "min must be less than or equal to max")
+    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
 
     min: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Lowest value the operator may set.")
     max: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Highest value the operator may set.")
 
 
 class FloatRange(CamelModel):
-    model_config = _cel("self.min <= self.max", "min must be less than or equal to max")
+    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
 
     min: float = Field(gt=1.0, le=100.0, description="Lowest value the operator may set.")
     max: float = Field(gt=1.0, le=100.0, description="Highest value the operator may set.")

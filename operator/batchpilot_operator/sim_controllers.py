@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from batchpilot_operator.observations import Observations, known
-from batchpilot_operator.policy import DEFAULT_CONFIG, Decision, PolicyConfig, PolicyState, decide
+from batchpilot_operator.policy import DEFAULT_CONFIG, Decision, PolicyConfig, PolicyState, decide, slo_over
 from batchpilot_operator.profile import BatchProfileSpec
 from batchpilot_runtime.window import Window
 
@@ -61,12 +61,12 @@ class AimdController:
 
     def on_interval(self, now_s: float, observations: Observations, window: Window) -> Window | None:
         obs = observations
-        if not obs.p99_saturated and not known(obs.p99_s):
-            return None
         if not known(obs.samples) or obs.samples < self.min_samples:
             return None
+        over = slo_over(self.spec, obs)
+        if over is None:
+            return None
         bounds = self.spec.tuning.bounds
-        over = obs.p99_saturated or obs.p99_s * 1000.0 > self.spec.slo.p99_ms
         batch = window.hard_cap
         batch = math.floor(batch * self.backoff) if over else batch + self.additive
         lo = max(bounds.hard_cap.min, bounds.target_batch_size.min)

@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from batchpilot_operator.sim_runner import default_spec, load_profile_spec, plot_runs, run_policy
+    from batchpilot_operator.sim_runner import default_spec, load_profile_spec, plot_runs, run_policy, slo_p99_s
     from batchpilot_runtime.cost_model import load_cost_model
     from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, plan_replay, read_trace
 
@@ -83,8 +83,9 @@ def _run(args: argparse.Namespace) -> int:
         trace=str(trace_path),
         scaling=scaling.describe(),
         cost_profile=cost.name,
-        slo_p99_s=spec.slo.p99_ms / 1000.0,
+        slo_p99_s=slo_p99_s(spec),
         latency_metric=spec.slo.latency_metric.value,
+        slo_itl_p99_ms=spec.slo.inter_token_p99_ms,
         simulated_s=run.result.sim_end_s,
         wall_s=elapsed_s,
     )
@@ -108,9 +109,7 @@ def _run(args: argparse.Namespace) -> int:
         ]
         args.json.write_text(json.dumps(json_safe(payload), indent=2))
     if args.plot:
-        plot_runs(
-            [run], spec.slo.p99_ms / 1000.0, args.plot, f"{args.policy} on {trace_path.name} ({scaling.describe()})"
-        )
+        plot_runs([run], slo_p99_s(spec), args.plot, f"{args.policy} on {trace_path.name} ({scaling.describe()})")
     return 0
 
 
@@ -130,12 +129,20 @@ def json_safe(value: Any) -> Any:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    slo_s = summary["slo_p99_s"]
+    slo = (
+        f"SLO P99 {slo_s:.3f} s, met by {summary['slo_met_share']:.1%}"
+        if math.isfinite(slo_s)
+        else "no first-token SLO"
+    )
+    itl_slo_ms = summary.get("slo_itl_p99_ms")
+    itl_slo = f" (SLO {itl_slo_ms:g} ms)" if itl_slo_ms is not None else ""
     lines = [
         f"policy {summary['policy']} on {summary['trace']} ({summary['scaling']}), cost {summary['cost_profile']}",
         f"  requests {summary['requests']} (rejected {summary['rejected']}, unfinished {summary['unfinished']}), "
         f"{summary['steps']} steps, simulated {summary['simulated_s']:.0f} s in {summary['wall_s']:.1f} s",
         f"  {summary['latency_metric']} P50 {summary['p50_s']:.3f} s  P99 {summary['p99_s']:.3f} s  "
-        f"P999 {summary['p999_s']:.3f} s  (SLO P99 {summary['slo_p99_s']:.3f} s, met by {summary['slo_met_share']:.1%})",
+        f"P999 {summary['p999_s']:.3f} s  ({slo})  inter-token P99 {summary['itl_p99_s'] * 1000:.1f} ms{itl_slo}",
         f"  goodput {summary['goodput_tokens_per_s']:.1f} tok/s  throughput {summary['throughput_tokens_per_s']:.1f} tok/s"
         f"  waits > 1 s {summary['share_wait_over_1s']:.2%}",
         f"  batch-hit ratio busy {summary['batch_hit_ratio_busy']:.2f} idle {summary['batch_hit_ratio_idle']:.2f}  "

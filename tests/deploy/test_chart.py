@@ -20,8 +20,9 @@ import yaml
 
 from batchpilot_operator import cli as operator_cli
 from batchpilot_operator.crd import custom_resource_definition
-from batchpilot_operator.profile import parse_manifest
+from batchpilot_operator.profile import SLO, parse_manifest, parse_spec
 from batchpilot_runtime import cli as runtime_cli
+from batchpilot_runtime.window import WindowFields
 from tests.support.crd_validation import validate_object
 
 from .tools import (
@@ -367,6 +368,42 @@ def test_values_schema_refuses_bad_values() -> None:
     # Helm applies the same schema.
     with pytest.raises(AssertionError, match="models"):
         helm_template(sets=["models[0].name=Chat"])
+
+
+def test_values_schema_knows_every_window_and_slo_field_of_the_resource(tmp_path: Path) -> None:
+    # The chart's schema lists these fields by hand (additionalProperties: false): one missing
+    # would refuse a valid profile at `helm install`.
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for profile in (
+        schema["properties"]["profileDefaults"],
+        schema["properties"]["models"]["items"]["properties"]["profile"],
+    ):
+        for name, model in (("window", WindowFields), ("slo", SLO)):
+            assert set(profile["properties"][name]["properties"]) == {
+                field.alias or key for key, field in model.model_fields.items()
+            }, name
+    # A model may state an inter-token target alone once the defaults' first-token one is dropped.
+    values = tmp_path / "gaps-only.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "profileDefaults": {"slo": {"p99Ms": None}},
+                "models": [
+                    {
+                        "name": "chat",
+                        "preset": "tiny",
+                        "profile": {
+                            "window": {"targetBatchSize": 1, "hardCap": 64, "maxWaitMs": 0, "maxPrefillTokens": 1024},
+                            "slo": {"interTokenP99Ms": 60},
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    (profile_doc,) = find(helm_template(values), "BatchProfile")
+    spec = parse_spec(profile_doc["spec"])
+    assert (spec.slo.p99_ms, spec.slo.inter_token_p99_ms, spec.window.max_prefill_tokens) == (None, 60, 1024)
 
 
 def _merged(base: Any, override: Any) -> Any:

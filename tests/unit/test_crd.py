@@ -98,6 +98,8 @@ def test_target_above_cap_is_refused_by_cel_naming_both_fields() -> None:
         ({"tuning": {"bounds": {"targetBatchSize": {"min": 10, "max": 20}}}}, "window.targetBatchSize must lie within"),
         ({"tuning": {"bounds": {"maxWaitMs": {"min": 0, "max": 10}}}}, "window.maxWaitMs must lie within"),
         ({"slo": {"p99Ms": 800, "p999Ms": 500}}, "p999Ms must be greater"),
+        ({"slo": {"latencyMetric": "ttft"}}, "slo needs at least one objective"),
+        ({"slo": {"interTokenP99Ms": 50, "p999Ms": 900}}, "slo.p999Ms needs slo.p99Ms"),
         (
             {
                 "lanes": [
@@ -115,6 +117,11 @@ def test_target_above_cap_is_refused_by_cel_naming_both_fields() -> None:
 def test_cross_field_rules_refuse(overrides: dict[str, Any], expected: str) -> None:
     _, errors = validate_object(CRD, make_profile(**overrides))
     assert any(expected in e for e in errors), errors
+
+
+def test_an_slo_of_inter_token_latency_alone_is_accepted() -> None:
+    _, errors = validate_object(CRD, make_profile(slo={"interTokenP99Ms": 50}))
+    assert errors == []
 
 
 def test_schema_bounds_refuse_before_cel() -> None:

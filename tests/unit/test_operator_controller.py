@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.observe import MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
+from batchpilot_operator.observe import INTER_TOKEN, MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
 from batchpilot_operator.push import AdminClient
 from batchpilot_operator.status import apply_merge_patch
 from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
@@ -58,6 +58,7 @@ class FakeSource:
 
     def __init__(self) -> None:
         self.latency_s: dict[str, float] = {}
+        self.itl_s: dict[str, float] = {}  # every inter-token gap of the window takes exactly that long
         self.error: str | None = None
         self.calls = 0
 
@@ -76,6 +77,10 @@ class FakeSource:
             builder.add_rate((namespace, model), "batch_sum", 60.0)
             builder.add_rate((namespace, model), "batch_count", 10.0)
             builder.add_gauge((namespace, model), "queue_depth", 2.0)
+            gap = self.itl_s.get(model)
+            if gap is not None:
+                for bound in (*LATENCY_BUCKETS_S, math.inf):
+                    builder.add_bucket((namespace, model), INTER_TOKEN, bound, 100.0 if bound >= gap else 0.0)
         return builder.build()
 
 
@@ -152,6 +157,26 @@ async def test_slo_miss_lowers_the_window_and_lands_in_status_and_events(h: Harn
     assert h.status()["lastDecision"]["direction"] == "down"
     assert h.condition("SLOMet")["status"] == "False"
     assert "DecisionDown" in h.sink.reasons("ml/chat")
+
+
+async def test_an_slo_of_gaps_alone_is_judged_and_tuned_by_the_gaps(h: Harness) -> None:
+    h.add_pod("0")
+    spec = make_spec(
+        window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40, "maxPrefillTokens": 2048},
+        slo={"interTokenP99Ms": 50},
+    )
+    h.controller.upsert_profile("ml", "chat", spec, generation=1)
+    h.source.latency_s["chat"] = 2.0  # would miss any first-token target the spec could have had
+    h.source.itl_s["chat"] = 0.02
+    await h.tick()
+    slo_met = h.condition("SLOMet")
+    assert slo_met["status"] == "True"
+    assert slo_met["message"].startswith("inter-token P99") and "vs 50 ms" in slo_met["message"]
+    h.source.itl_s["chat"] = 0.2
+    await h.tick()
+    assert h.condition("SLOMet")["status"] == "False"
+    assert h.status()["window"]["maxPrefillTokens"] < 2048
+    assert h.status()["lastDecision"]["reason"].startswith("inter-token P99")
 
 
 async def test_prometheus_unreachable_holds_and_reports_then_recovers(h: Harness) -> None:

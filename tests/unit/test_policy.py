@@ -95,7 +95,9 @@ def spec_and_window(draw: st.DrawFn) -> tuple[BatchProfileSpec, Window]:
     }
     if budget is not None:
         window_fields["maxPrefillTokens"] = budget
-    slo: dict[str, Any] = {"p99Ms": draw(st.floats(50, 10_000))}
+    # An SLO with an inter-token target may leave out the first-token one.
+    p99_ms = draw(st.floats(50, 10_000) if itl_ms is None else st.one_of(st.none(), st.floats(50, 10_000)))
+    slo: dict[str, Any] = {"p99Ms": p99_ms}
     if itl_ms is not None:
         slo["interTokenP99Ms"] = itl_ms
     spec = make_spec(
@@ -232,6 +234,42 @@ def test_the_budget_holds_when_first_tokens_have_headroom_or_gaps_have_no_room()
     assert decide(spec, window, make_obs(0.8, itl_p99_s=0.080), PolicyState(), 100.0).window.max_prefill_tokens == 1000
 
 
+def gaps_only_spec(budget: int = 2048, itl_ms: float = 100.0) -> tuple[BatchProfileSpec, Window]:
+    spec = make_spec(
+        window={"targetBatchSize": 1, "hardCap": 64, "maxWaitMs": 0, "maxPrefillTokens": budget},
+        slo={"p99Ms": None, "interTokenP99Ms": itl_ms},
+    )
+    return spec, Window.from_fields(spec.window, generation=3)
+
+
+def test_an_slo_of_gaps_alone_cuts_the_budget_with_nothing_holding_it_back() -> None:
+    spec, window = gaps_only_spec()
+    assert spec.slo.p99_ms is None
+    # First tokens at 5 s would stop (balance) a cut with a 1 s first-token target; with none, the gap decides.
+    decision = decide(spec, window, make_obs(5.0, itl_p99_s=0.150), PolicyState(), 100.0)
+    assert decision.direction == "down"
+    assert decision.window.max_prefill_tokens == math.ceil(2048 * 0.85 / 1.5)
+    assert decision.reason.startswith("inter-token P99 150 ms over its 100 ms target: lowering the prefill budget")
+    # Nothing is over for first tokens: target and wait are not cut for them.
+    assert (decision.window.target_batch_size, decision.window.max_wait_ms) == (1, 0)
+
+
+def test_an_slo_of_gaps_alone_raises_the_budget_only_while_prompts_wait() -> None:
+    spec, window = gaps_only_spec(budget=1000)
+    waiting = decide(spec, window, make_obs(5.0, itl_p99_s=0.040, queue_depth=6.0), PolicyState(), 100.0)
+    assert waiting.window.max_prefill_tokens == 1500
+    assert "6 prompts wait" in waiting.reason
+    idle = decide(spec, window, make_obs(5.0, itl_p99_s=0.040, queue_depth=0.0), PolicyState(), 100.0)
+    assert idle.window.max_prefill_tokens == 1000
+
+
+def test_an_slo_of_gaps_alone_holds_without_gap_data() -> None:
+    spec, window = gaps_only_spec()
+    decision = decide(spec, window, make_obs(0.2, itl_p99_s=NAN), PolicyState(), 100.0)
+    assert decision.direction == "hold"
+    assert decision.reason.startswith("No inter-token data")
+
+
 def test_with_the_budget_at_its_floor_the_cap_comes_down_for_gaps() -> None:
     spec, window = itl_spec(budget=128, maxPrefillTokens={"min": 128, "max": 4096})
     obs = make_obs(0.5, itl_p99_s=0.3, mean_batch_size=60.0, queue_depth=0.0)
@@ -322,7 +360,13 @@ def test_no_action_on_nan_or_sparse_data(
     sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float, sparse: float
 ) -> None:
     spec, window = sw
-    for blind in (obs.with_(p99_s=NAN, p99_saturated=False), obs.with_(samples=sparse), obs.with_(samples=NAN)):
+    # Blind on the objective that decides: the first-token P99, or the gaps when it is the only one.
+    no_data = (
+        obs.with_(p99_s=NAN, p99_saturated=False)
+        if spec.slo.p99_ms is not None
+        else obs.with_(itl_p99_s=NAN, itl_p99_saturated=False)
+    )
+    for blind in (no_data, obs.with_(samples=sparse), obs.with_(samples=NAN)):
         decision = decide(spec, window, blind, state, now_s)
         assert decision.window == window
         assert decision.direction == "hold"

@@ -40,6 +40,8 @@ def test_defaults_fill_a_minimal_spec() -> None:
         ({"window": {"targetBatchSize": 0, "hardCap": 8, "maxWaitMs": 0}}, ["spec.window.targetBatchSize"]),
         ({"slo": {"p99Ms": -5}}, ["spec.slo.p99Ms"]),
         ({"slo": {"p99Ms": 800, "p999Ms": 400}}, ["slo.p999Ms", "slo.p99Ms"]),
+        ({"slo": {"latencyMetric": "ttft"}}, ["slo needs at least one objective", "p99Ms", "interTokenP99Ms"]),
+        ({"slo": {"interTokenP99Ms": 40, "p999Ms": 900}}, ["slo.p999Ms needs slo.p99Ms"]),
         ({"slo": {"p99Ms": 800, "latencyMetric": "tpot"}}, ["spec.slo.latencyMetric"]),
         ({"batchFriendliness": "extreme"}, ["spec.batchFriendliness"]),
         ({"selector": {}}, ["spec.selector"]),
