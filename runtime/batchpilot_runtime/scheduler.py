@@ -34,7 +34,9 @@ Admission (continuous mode), once per lane per step, lanes holding a tail-marked
     - wait: the oldest waiting request arrived at least maxWaitMs ago (``now >= arrival + wait``).
 
     The group takes requests from the front of the lane (tail-marked first, then FCFS) while a slot
-    is free and the request's whole prompt (prompt + generated tokens, for a recompute) fits in the
+    is free, at least one token of the step's prompt budget is left (each admitted request gets its
+    first chunk at once, as in vLLM; a request admitted without one would hold a slot and its KV
+    while counted as running), and the request's whole prompt (prompt + generated tokens, for a recompute) fits in the
     free KV blocks. When the front request does not fit, a request among the next ``skip_ahead``
     that does fit may be admitted past it (a short prompt need not wait behind a long one for KV
     that it does not need), but nothing passes a tail-marked request: the group stops there, so
@@ -661,11 +663,11 @@ class Scheduler:
         for seq in prefilling:
             if seq.status is SeqStatus.RUNNING and budget > 0:
                 budget -= self._add_prefill_chunk(seq, budget, acc)
-        # 4. Admissions (none in a step that preempted), then their first chunks.
+        # 4. Admissions (none in a step that preempted), each with its first chunk, while prompt
+        #    budget is left (as vLLM does): a request admitted with no budget would hold a slot and its
+        #    KV while it waits, and be counted as running rather than queued.
         if not acc.preempted:
-            for seq in self._admit(now_s, acc):
-                if budget > 0:
-                    budget -= self._add_prefill_chunk(seq, budget, acc)
+            budget = self._admit(now_s, acc, budget)
         num_seqs = len(acc.seqs)
         stats = StepStats(
             batch_size=num_seqs,
@@ -858,21 +860,30 @@ class Scheduler:
         with_tail = sorted((lane for lane in lanes if lane.marked), key=lambda lane: lane.marked[0].arrival_s)
         return with_tail + [lane for lane in lanes if not lane.marked]
 
-    def _admit(self, now_s: float, acc: _StepAccumulator) -> list[_Seq]:
-        """Resume preempted requests and admit at most one group of fresh requests per lane."""
-        admitted: list[_Seq] = []
+    def _admit(self, now_s: float, acc: _StepAccumulator, budget: float) -> float:
+        """Resume preempted requests and admit at most one group of fresh requests per lane, each with
+        its first prompt chunk, while at least one prompt token of ``budget`` is left (static batching
+        admits its whole group: a batch in progress blocks later admissions). Returns the budget left."""
+
+        def start(seq: _Seq) -> None:
+            nonlocal budget
+            self._start_running(seq, now_s)
+            if budget > 0:
+                budget -= self._add_prefill_chunk(seq, budget, acc)
+
+        def budget_left() -> bool:
+            return self._static or budget >= 1
+
         batch_in_progress = self._static and (bool(self._running) or any(lane.resume for lane in self._lanes.values()))
         for lane in self._admission_order():
             if not (lane.resume or lane.marked or lane.waiting):
                 continue
             room = self._slot_room(lane)
             # a. Preempted requests first: they were admitted before everything still waiting.
-            while lane.resume and room > 0 and self._fits(lane.resume[0]):
-                seq = lane.resume.popleft()
-                self._start_running(seq, now_s)
-                admitted.append(seq)
+            while lane.resume and room > 0 and budget_left() and self._fits(lane.resume[0]):
+                start(lane.resume.popleft())
                 room -= 1
-            if lane.resume or batch_in_progress or room <= 0:
+            if lane.resume or batch_in_progress or room <= 0 or not budget_left():
                 continue
             # b. The window's triggers.
             window = lane.window
@@ -888,7 +899,7 @@ class Scheduler:
             # c. The group: front of the lane while a slot is free and the prompt fits; past an unmarked
             #    front that does not fit, one of the next ``skip_ahead`` that does.
             group = 0
-            while room > 0:
+            while room > 0 and budget_left():
                 seq_or_none = lane.oldest_fresh()
                 if seq_or_none is None:
                     break
@@ -901,11 +912,10 @@ class Scheduler:
                         break
                     seq = passer
                     lane.waiting.remove(seq)
-                self._start_running(seq, now_s)
                 seq.first_admitted_s = now_s
                 lane.waits.add(now_s - seq.arrival_s)
                 self._admit_times_s.append(now_s)
-                admitted.append(seq)
+                start(seq)
                 room -= 1
                 group += 1
             if group == 0:
@@ -922,7 +932,7 @@ class Scheduler:
                 reason = "wait"
             acc.admissions[reason] = acc.admissions.get(reason, 0) + 1
             acc.admitted_requests += group
-        return admitted
+        return budget
 
     def _finish(self, seq: _Seq, reason: str, now_s: float, token_id: int | None) -> RequestOutput:
         lane = seq.lane

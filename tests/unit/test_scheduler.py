@@ -391,6 +391,27 @@ def test_a_window_budget_on_a_pod_without_one_chunks_prompts_and_decodes_stay_ou
     assert chunks(plan) == [("r0", 4, 1, True, False), ("r1", 2, 2, True, True)]
 
 
+def test_admissions_stop_when_the_step_has_no_prompt_budget_left() -> None:
+    # As vLLM does: a request admitted with no budget left would hold a slot and its KV while it
+    # waits for a chunk, and count as running instead of queued.
+    scheduler = make_scheduler(target=3, cap=8, wait_ms=0, budget=100, blocks=256)
+    add_all(scheduler, make_requests(3, prompt_tokens=80, max_new=2))
+    plan, _ = step(scheduler, 0.0)
+    assert chunks(plan) == [("r0", 0, 80, True, True), ("r1", 0, 20, False, True)]
+    assert (plan.stats.running, plan.stats.queue_depth, plan.stats.admitted_requests) == (2, 1, 2)
+    plan, _ = step(scheduler, 1.0)
+    # Running sequences first (r0 decodes, r1 finishes its prompt), then r2 with what is left.
+    assert chunks(plan) == [("r0", 80, 1, True, False), ("r1", 20, 60, True, True), ("r2", 0, 40, False, True)]
+    assert (plan.stats.queue_depth, plan.stats.admitted_requests) == (0, 1)
+
+
+def test_static_batching_admits_its_whole_group_whatever_the_budget() -> None:
+    scheduler = make_scheduler(target=3, cap=8, wait_ms=0, budget=100, blocks=256, batching="static")
+    add_all(scheduler, make_requests(3, prompt_tokens=80, max_new=2))
+    plan, _ = step(scheduler, 0.0)
+    assert (plan.stats.running, plan.stats.queue_depth) == (3, 0)
+
+
 def test_a_step_budget_rule_lowers_the_budget_to_what_fits_after_the_decodes() -> None:
     scheduler = make_scheduler(target=1, cap=4, budget=100)
     seen: list[tuple[int, int]] = []
