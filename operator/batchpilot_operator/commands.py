@@ -31,6 +31,10 @@ def _register_local(subparsers: Any) -> None:
     parser.add_argument("--prometheus-url", help="read metrics from this Prometheus instead of scraping")
     parser.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval, s")
     parser.add_argument("--interval", type=float, help="replace every profile's intervalSeconds, s")
+    parser.add_argument("--push-timeout", type=float, default=2.0,
+                        help="deadline of one admin call, the whole answer included, s")  # fmt: skip
+    parser.add_argument("--query-timeout", type=float, default=3.0,
+                        help="deadline of one metrics round (the Prometheus queries, or one /metrics scrape), s")  # fmt: skip
     parser.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
     parser.add_argument("--status-file", type=Path, help="write every profile's status here (JSON) after each tick")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve the operator's /metrics here (0: off)")
@@ -68,7 +72,8 @@ def _register_run(subparsers: Any) -> None:
     parser.add_argument("--interval-override", type=float,
                         help="replace every profile's intervalSeconds, s (tests; the resource allows >= 5)")  # fmt: skip
     parser.add_argument("--watch-check", type=float, default=60.0, help="seconds between two watch-health checks")
-    parser.add_argument("--push-timeout", type=float, default=2.0, help="timeout of one admin call, s")
+    parser.add_argument("--push-timeout", type=float, default=2.0,
+                        help="deadline of one admin call, the whole answer included, s")  # fmt: skip
     parser.add_argument("--resync", type=float, default=0.0,
                         help="least seconds between two read-backs of a pod known to be in sync (0: every interval, "
                              "fully level-triggered; raise it to cut admin calls at thousands of pods)")  # fmt: skip

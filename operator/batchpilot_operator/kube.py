@@ -30,6 +30,7 @@ import httpx
 import yaml
 
 from batchpilot_operator import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from batchpilot_operator.outbound import base_url
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -78,7 +79,7 @@ def load_kube_config(kubeconfig: Path | None = None, context: str | None = None)
         host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
         return KubeConfig(
-            server=f"https://{host}:{port}",
+            server=base_url(host, int(port), "https"),  # an IPv6 cluster's service address goes in brackets
             token=(SERVICE_ACCOUNT_DIR / "token").read_text().strip(),
             ca_path=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
             namespace=namespace_file.read_text().strip() if namespace_file.exists() else "default",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
+
 from batchpilot_operator import policy as policy_mod
 from batchpilot_operator.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
 from batchpilot_operator.manifests import load_profiles
@@ -29,6 +32,8 @@ from batchpilot_operator.push import AdminClient
 from batchpilot_operator.status import apply_merge_patch
 
 RUNTIME_KEYS = ("model", "url", "admin", "token-file", "name")
+
+log = logging.getLogger("batchpilot.operator")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,13 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
     for key in ("url", "admin"):
         if not fields[key].startswith(("http://", "https://")):
             raise ValueError(f"--runtime {text!r}: {key}= must be an http(s) URL, got {fields[key]!r}")
+        try:
+            httpx.URL(fields[key])
+        except httpx.InvalidURL as error:
+            raise ValueError(
+                f"--runtime {text!r}: {key}= is not a valid URL ({error}); an IPv6 address goes in brackets, "
+                "e.g. http://[::1]:8081"
+            ) from None
     token = None
     if fields.get("token-file"):
         path = Path(fields["token-file"])
@@ -141,6 +153,8 @@ async def run_local(
     prometheus_url: str | None = None,
     interval_s: float | None = None,
     scrape_interval_s: float = 15.0,
+    push_timeout_s: float = 2.0,
+    query_timeout_s: float = 3.0,
     duration_s: float | None = None,
     status_file: Path | None = None,
     metrics_port: int = 0,
@@ -158,13 +172,17 @@ async def run_local(
         from batchpilot_operator.promql import PrometheusSource
 
         source = PrometheusSource(
-            prometheus_url, scrape_interval_s=scrape_interval_s, interval_s=interval_s or 15.0, namespace_label=None
+            prometheus_url,
+            scrape_interval_s=scrape_interval_s,
+            interval_s=interval_s or 15.0,
+            timeout_s=query_timeout_s,
+            namespace_label=None,
         )
     else:
         from batchpilot_operator.scrape import ScrapeSource
 
-        source = ScrapeSource(rate_window_s=interval_s or 15.0)
-    admin = AdminClient()
+        source = ScrapeSource(rate_window_s=interval_s or 15.0, timeout_s=query_timeout_s)
+    admin = AdminClient(timeout_s=push_timeout_s)
     controller = Controller(
         Settings(tick_s=min(1.0, interval_s or 1.0), interval_override_s=interval_s),
         source,
@@ -208,7 +226,10 @@ async def run_local(
     deadline = time.monotonic() + duration_s if duration_s else None
     try:
         while not stop.is_set():
-            await controller.tick()
+            try:
+                await controller.tick()
+            except Exception:  # as in Controller.run: the loop survives anything one tick does
+                log.exception("tick failed")
             sink.write_file()
             if deadline is not None and time.monotonic() >= deadline:
                 break
@@ -235,6 +256,8 @@ def cmd_local(args: Any) -> int:
             prometheus_url=args.prometheus_url,
             interval_s=args.interval,
             scrape_interval_s=args.scrape_interval,
+            push_timeout_s=args.push_timeout,
+            query_timeout_s=args.query_timeout,
             duration_s=args.duration,
             status_file=args.status_file,
             metrics_port=args.metrics_port,

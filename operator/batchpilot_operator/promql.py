@@ -11,7 +11,10 @@ A quantile in the ``+Inf`` bucket comes back as the top finite bound, which
 
 prometheus-api-client is synchronous (requests); it runs on a small dedicated
 thread pool with a timeout so that a slow Prometheus never blocks the event
-loop, and never piles up more threads than the pool holds.
+loop, and never piles up more threads than the pool holds. A response hook
+reads each answer's body itself, under a cap and within the same deadline, so
+that an answer that never ends, or a huge one, frees its thread at the deadline
+instead of holding it (and the pool) forever.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from batchpilot_operator.observe import (
     ModelKey,
     ModelMetrics,
 )
+from batchpilot_operator.outbound import format_bytes
 from batchpilot_runtime import metric_names as rm
 
 SERIES_LABEL = "bp_series"
@@ -38,6 +42,10 @@ QUANTILE_LABEL = "bp_quantile"
 COUNT_SUFFIX = "_count"
 QUANTILES = (0.5, 0.99, 0.999)
 DEFAULT_NAMESPACE_LABEL = "namespace"
+# One answer holds about 200 bytes per series: 1,000 models x 13 latency series is ~2.5 MiB. 64 MiB is room
+# for 20x that, and bounds what a broken or hostile endpoint can make the three query threads hold.
+MAX_ANSWER_BYTES = 64 << 20
+_READ_CHUNK_BYTES = 64 << 10
 
 
 def rate_window_s(scrape_interval_s: float, interval_s: float) -> int:
@@ -152,26 +160,61 @@ class PrometheusSource:
         timeout_s: float = 5.0,
         namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
         headers: Mapping[str, str] | None = None,
+        max_body_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
+        import requests
         from prometheus_api_client import PrometheusConnect
         from urllib3.util.retry import Retry
 
         self.url = url
         self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
         self.namespace_label = namespace_label
         self.window_s = rate_window_s(scrape_interval_s, interval_s)
         self.queries_total = 0
         self.last_stats = QueryStats(0, 0.0)
         # No retries inside the client: the next tick is the retry, and a retry loop
         # here would hold the thread past our timeout.
+        session = requests.Session()
+        session.hooks["response"].append(self._read_body)
         self._client = PrometheusConnect(
-            url=url, headers=dict(headers or {}), retry=Retry(total=0, connect=0, read=0), timeout=timeout_s
+            url=url,
+            headers=dict(headers or {}),
+            retry=Retry(total=0, connect=0, read=0),
+            timeout=timeout_s,
+            session=session,
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="promql")
 
     def close(self, wait: bool = False) -> None:
         """Stop the query threads; ``wait`` joins a query still running (tests do, to leave no thread behind)."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
+
+    def _read_body(self, response: Any, **_: Any) -> Any:
+        """requests' response hook (it runs before requests reads the body): read the body here, under the cap
+        and within what the deadline leaves after the headers; otherwise close the connection and raise."""
+        deadline = time.monotonic() + max(0.0, self.timeout_s - response.elapsed.total_seconds())
+        chunks: list[bytes] = []
+        seen = 0
+        try:
+            # read1: whatever one socket read brings, so that a dripped body meets the deadline check.
+            while chunk := response.raw.read1(_READ_CHUNK_BYTES, decode_content=True):
+                seen += len(chunk)
+                if seen > self.max_body_bytes:
+                    raise MetricsUnavailable(
+                        f"Prometheus at {self.url}: answer over the {format_bytes(self.max_body_bytes)} cap"
+                    )
+                if time.monotonic() > deadline:
+                    raise MetricsUnavailable(
+                        f"Prometheus at {self.url}: answer not complete within {self.timeout_s:g} s"
+                    )
+                chunks.append(chunk)
+        except BaseException:
+            response.close()
+            raise
+        response._content = b"".join(chunks)
+        response._content_consumed = True
+        return response
 
     def _query(self, expr: str) -> list[dict[str, Any]]:
         result = self._client.custom_query(expr, params={"timeout": f"{self.timeout_s:g}s"})
@@ -184,24 +227,29 @@ class PrometheusSource:
 
         ``targets`` is ignored: the queries cover every model at once.
         """
+        import requests
+
         del targets
         loop = asyncio.get_running_loop()
         queries = build_queries(self.window_s, self.namespace_label)
         started = time.monotonic()
         futures = {name: loop.run_in_executor(self._pool, self._query, expr) for name, expr in queries.items()}
         self.queries_total += len(futures)
+        too_slow = f"Prometheus at {self.url} did not answer within {self.timeout_s:g} s"
         try:
             async with asyncio.timeout(self.timeout_s):
                 # return_exceptions: every answer is retrieved, so no failed future is left unobserved.
                 outcomes = await asyncio.gather(*futures.values(), return_exceptions=True)
         except TimeoutError:
-            raise MetricsUnavailable(f"Prometheus at {self.url} did not answer within {self.timeout_s:g} s") from None
+            raise MetricsUnavailable(too_slow) from None
         finally:
             self.last_stats = QueryStats(len(futures), time.monotonic() - started)
         answers: dict[str, list[dict[str, Any]]] = {}
         for name, outcome in zip(futures, outcomes, strict=True):
             if isinstance(outcome, MetricsUnavailable):
                 raise outcome
+            if isinstance(outcome, requests.Timeout):  # the thread's own read timeout can beat the one above
+                raise MetricsUnavailable(too_slow) from None
             if isinstance(outcome, BaseException):  # requests/urllib3/prometheus-api-client raise many types
                 raise MetricsUnavailable(f"Prometheus at {self.url} failed ({name}): {_short(outcome)}") from None
             answers[name] = outcome

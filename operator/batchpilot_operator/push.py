@@ -5,11 +5,24 @@ reads what the pod has in force (``GET /admin/window``) and writes
 (``PUT``) only when the pod is behind, so a restarted pod heals on the next
 tick without anyone remembering it was restarted.
 
-Failures and what happens to them:
+Every call has an overall deadline (``timeout_s``: connecting, sending, the
+headers and the whole body; a pod that drips its answer a byte at a time is cut
+off there) and a body cap (``max_body_bytes``; the admin API answers a few
+hundred bytes, so a longer answer is garbage and is not read further).
 
-- connection refused, timeout, 5xx: retried with exponential backoff (and
+Failures and what happens to them (every one becomes the pod's PushResult; no
+pod failure raises out of :meth:`AdminClient.sync`):
+
+- connection refused or reset, 5xx: retried with exponential backoff (and
   jitter) a bounded number of times, then reported as ``error``; the next tick
   tries again.
+- deadline passed: reported as ``error`` at once. The pod had its whole
+  deadline, and a retry would hold the tick (every profile's) that much longer;
+  the next tick tries again. So a pod that never answers costs a tick one
+  deadline per call, not ``retries`` of them.
+- an answer that cannot be used (a URL httpx refuses, a body over the cap, one
+  that does not decode, JSON that is invalid or not a window state): reported as
+  ``error`` at once, without retrying.
 - 401: reported as ``unauthorized`` (a wrong token does not get better by retrying).
 - 409: the pod holds a newer generation than ours; reported as ``conflict`` with
   the pod's window, so the caller can move past it.
@@ -26,13 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
+from batchpilot_operator.outbound import BodyTooLarge, read_capped
 from batchpilot_runtime.admin_api import (
     ADMIN_WINDOW_PATH,
     AdminError,
@@ -48,6 +62,9 @@ CONFLICT = "conflict"
 REFUSED = "refused"
 UNAUTHORIZED = "unauthorized"
 ERROR = "error"
+
+# The admin API answers a WindowState or an AdminError: a few hundred bytes, a few KiB with many lanes.
+MAX_BODY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,18 @@ class PushResult:
     @property
     def ok(self) -> bool:
         return self.outcome == OK
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One admin call's answer, its body read whole (under the cap)."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
 
 
 class _Retryable(Exception):
@@ -106,6 +135,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     httpcore's pool rescans every connection (with a readability syscall each) for every
     request it assigns, which made 8,000 admin calls per interval take minutes in the scale
     benchmark; aiohttp's pool does not. Errors are mapped to httpx's, so callers see httpx only.
+    The body is streamed (the caller reads it under its cap and deadline, then closes it).
     """
 
     def __init__(self, *, limit: int) -> None:
@@ -123,22 +153,19 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.get("connect"), sock_read=read_s)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         try:
-            async with self._session.request(
+            response = await self._session.request(
                 request.method, str(request.url), headers=headers, data=await request.aread(), timeout=timeout
-            ) as response:
-                content = await response.read()
-                response_headers = [
-                    (k, v)
-                    for k, v in response.headers.items()
-                    if k.lower() not in ("content-encoding", "transfer-encoding")
-                ]
-                return httpx.Response(response.status, headers=response_headers, content=content, request=request)
-        except TimeoutError as error:
-            raise httpx.ReadTimeout(str(error) or "timed out", request=request) from None
-        except aiohttp.ClientConnectorError as error:
-            raise httpx.ConnectError(str(error), request=request) from None
-        except aiohttp.ClientError as error:
-            raise httpx.ReadError(f"{type(error).__name__}: {error}", request=request) from None
+            )
+        except (TimeoutError, aiohttp.ClientError) as error:
+            raise _as_httpx_error(error, request) from None
+        # aiohttp hands over the body decoded and de-chunked: its framing headers no longer apply.
+        dropped = {"content-encoding", "transfer-encoding"}
+        if "content-encoding" in response.headers:
+            dropped.add("content-length")
+        response_headers = [(k, v) for k, v in response.headers.items() if k.lower() not in dropped]
+        return httpx.Response(
+            response.status, headers=response_headers, stream=_AiohttpStream(response, request), request=request
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -146,7 +173,47 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._session = None
 
 
+class _AiohttpStream(httpx.AsyncByteStream):
+    """An aiohttp response body as httpx's stream; closed before its end, it drops the connection."""
+
+    def __init__(self, response: Any, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+        self._finished = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        import aiohttp
+
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as error:
+            raise _as_httpx_error(error, self._request) from None
+        self._finished = True
+
+    async def aclose(self) -> None:
+        if self._finished:
+            self._response.release()  # read to its end: the connection goes back to the pool
+        else:
+            self._response.close()  # a body left unread (over the cap, past the deadline) is not drained
+
+
+def _as_httpx_error(error: Exception, request: httpx.Request) -> httpx.TransportError:
+    import aiohttp
+
+    if isinstance(error, TimeoutError):
+        return httpx.ReadTimeout(str(error) or "timed out", request=request)
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(str(error), request=request)
+    return httpx.ReadError(f"{type(error).__name__}: {error}", request=request)
+
+
 class AdminClient:
+    """Admin calls to runtime pods. ``timeout_s`` is the deadline of one call, from the first byte sent to the
+    last byte of the body (httpx's per-phase timeouts are set to it as well); ``max_body_bytes`` caps an answer.
+    A sync makes at most four calls (GET, PUT, and after a 422 a GET and a clamped PUT), so a pod that never
+    answers holds its sync for one ``timeout_s``, and any pod for at most four (plus the backoffs of 5xx)."""
+
     def __init__(
         self,
         *,
@@ -155,12 +222,16 @@ class AdminClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 2.0,
         concurrency: int = 64,
+        max_body_bytes: int = MAX_BODY_BYTES,
         client: httpx.AsyncClient | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if retries < 1:
             raise ValueError(f"retries must be >= 1, got {retries}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -175,8 +246,21 @@ class AdminClient:
     def _headers(self, target: PodTarget) -> dict[str, str]:
         return {"Authorization": f"Bearer {target.token}"} if target.token else {}
 
-    async def _call(self, method: str, target: PodTarget, body: str | None = None) -> httpx.Response:
-        """One request with bounded retries on transport errors and 5xx."""
+    async def _exchange(self, method: str, url: str, body: str | None, headers: dict[str, str]) -> _Answer:
+        """One request and its whole body, within the deadline and under the cap."""
+        async with asyncio.timeout(self.timeout_s):
+            request = self._client.build_request(method, url, content=body, headers=headers)
+            response = await self._client.send(request, stream=True)
+            try:
+                return _Answer(response.status_code, await read_capped(response, self.max_body_bytes))
+            finally:
+                await response.aclose()
+
+    async def _call(self, method: str, target: PodTarget, body: str | None = None) -> _Answer:
+        """One request with bounded retries on transport errors and 5xx; _Final when retrying is futile or slow.
+
+        This is the I/O boundary: every way a pod can fail a call becomes _Retryable or _Final here.
+        """
         url = target.admin_url.rstrip("/") + ADMIN_WINDOW_PATH
         headers = self._headers(target)
         if body is not None:
@@ -189,41 +273,48 @@ class AdminClient:
             try:
                 async with self._semaphore:
                     self.requests_total += 1
-                    response = await self._client.request(method, url, content=body, headers=headers)
-            except httpx.TimeoutException:
-                last_error = f"{method} {url}: timed out after {self.timeout_s:g} s"
-                continue
+                    answer = await self._exchange(method, url, body, headers)
+            except (TimeoutError, httpx.TimeoutException):
+                raise _Final(
+                    ERROR, f"{method} {url}: timed out: no complete answer within {self.timeout_s:g} s"
+                ) from None
+            except (httpx.InvalidURL, httpx.UnsupportedProtocol) as error:
+                raise _Final(ERROR, f"{method} {url}: invalid URL: {error}") from None
             except httpx.TransportError as error:
                 last_error = f"{method} {url}: {type(error).__name__}: {error or 'connection failed'}"
                 continue
-            if response.status_code >= 500:
-                last_error = f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
+            except BodyTooLarge as error:
+                raise _Final(ERROR, f"{method} {url}: {error}") from None
+            except httpx.HTTPError as error:  # the rest: a body that does not decode, a malformed answer
+                raise _Final(ERROR, f"{method} {url}: {type(error).__name__}: {error}") from None
+            if answer.status_code >= 500:
+                last_error = f"{method} {url}: HTTP {answer.status_code}: {answer.text[:200]}"
                 continue
-            return response
+            return answer
         raise _Retryable(f"{last_error} ({self.retries} attempts)")
 
     @staticmethod
-    def _admin_error(response: httpx.Response) -> AdminError | None:
+    def _admin_error(answer: _Answer) -> AdminError | None:
         try:
-            return AdminError.model_validate_json(response.content)
+            return AdminError.model_validate_json(answer.content)
         except ValidationError:
             return None
 
-    def _check(self, response: httpx.Response) -> WindowState:
-        if response.status_code == 200:
+    def _check(self, answer: _Answer) -> WindowState:
+        if answer.status_code == 200:
             try:
-                return WindowState.model_validate_json(response.content)
+                return WindowState.model_validate_json(answer.content)
             except ValidationError as error:
                 raise _Final(ERROR, f"unreadable window state: {error.errors()[0]['msg']}") from None
-        admin_error = self._admin_error(response)
-        detail = admin_error.detail if admin_error else response.text[:300]
-        if response.status_code in (401, 403):
-            raise _Final(UNAUTHORIZED, f"HTTP {response.status_code}: {detail}", admin_error)
-        if response.status_code == 409:
+        admin_error = self._admin_error(answer)
+        detail = admin_error.detail if admin_error else answer.text[:300]
+        if answer.status_code in (401, 403):
+            raise _Final(UNAUTHORIZED, f"HTTP {answer.status_code}: {detail}", admin_error)
+        if answer.status_code == 409:
             raise _Final(CONFLICT, f"HTTP 409: {detail}", admin_error)
-        if response.status_code == 422:
+        if answer.status_code == 422:
             raise _Final(REFUSED, f"HTTP 422: {detail}", admin_error)
-        raise _Final(ERROR, f"HTTP {response.status_code}: {detail}", admin_error)
+        raise _Final(ERROR, f"HTTP {answer.status_code}: {detail}", admin_error)
 
     async def get_state(self, target: PodTarget) -> WindowState:
         """The pod's window in force; raises PushFailed."""

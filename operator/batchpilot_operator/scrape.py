@@ -6,6 +6,11 @@ oldest scrape still inside the rate window (what ``rate()`` does over its
 range), so that both sources feed the policy the same figures. A counter that
 went down means the pod restarted: its current value is the increase, as
 Prometheus assumes.
+
+Each scrape has an overall deadline (``timeout_s``, the whole body included) and
+a body cap (``max_body_bytes``): a pod whose ``/metrics`` never ends, or is
+huge, is left out of that tick like an unreachable one, and holds the tick no
+longer than the deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot_operator.observe import LATENCY_HISTOGRAMS, MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
+from batchpilot_operator.outbound import read_capped
 from batchpilot_runtime import metric_names as rm
 
 _HISTOGRAM_TO_SLO = {histogram: slo for slo, histogram in LATENCY_HISTOGRAMS.items()}
@@ -36,6 +42,10 @@ _GAUGES = {rm.QUEUE_DEPTH: "queue_depth", rm.RUNNING_SEQUENCES: "running", rm.KV
 
 # (series name, sorted label pairs) -> value
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+# A runtime's exposition is about 250 KiB (four latency histograms of ~65 buckets per lane, the step-time
+# histogram per phase and batch bucket); 8 MiB leaves room for many lanes and stops a runaway answer.
+MAX_METRICS_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -106,11 +116,13 @@ class ScrapeSource:
         *,
         rate_window_s: float = 60.0,
         timeout_s: float = 3.0,
+        max_body_bytes: int = MAX_METRICS_BYTES,
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rate_window_s = rate_window_s
         self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._clock = clock
         self._history: dict[str, deque[Scrape]] = {}
@@ -120,9 +132,14 @@ class ScrapeSource:
         await self._client.aclose()
 
     async def _scrape(self, url: str) -> Scrape:
-        response = await self._client.get(url, timeout=self.timeout_s)
-        response.raise_for_status()
-        return Scrape(self._clock(), parse_exposition(response.text))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self._client.stream("GET", url, timeout=self.timeout_s) as response:
+                    response.raise_for_status()
+                    body = await read_capped(response, self.max_body_bytes)
+        except TimeoutError:
+            raise MetricsUnavailable(f"no complete answer within {self.timeout_s:g} s") from None
+        return Scrape(self._clock(), parse_exposition(body.decode("utf-8", errors="replace")))
 
     def _oldest_within_window(self, url: str, current: Scrape) -> Scrape | None:
         history = self._history.setdefault(url, deque())

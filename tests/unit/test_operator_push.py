@@ -1,12 +1,15 @@
-"""The push client against emulated admin endpoints: level-triggered sync and every failure path."""
+"""The push client against emulated admin endpoints: level-triggered sync and every failure path,
+bad pods included (a body that never ends, a huge one, garbage, a URL httpx refuses, an IPv6 address)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
+from batchpilot_operator.outbound import base_url
 from batchpilot_operator.push import (
     CONFLICT,
     ERROR,
@@ -15,10 +18,13 @@ from batchpilot_operator.push import (
     UNAUTHORIZED,
     AdminClient,
     PodTarget,
+    PushFailed,
     clamp_to_capacity,
 )
 from batchpilot_runtime.window import Window
-from tests.integration.fake_admin import FakeAdminServer, closed_port_url
+from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod, ipv6_loopback_available
+from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, closed_port_url
+from tests.integration.kmock_cluster import wait_for
 
 
 def make_window(generation: int = 1, cap: int = 16, target: int = 8) -> Window:
@@ -145,3 +151,79 @@ async def test_refusal_after_clamp_is_reported_as_refused(server: FakeAdminServe
     assert result.outcome == REFUSED and "clamped to capacity and refused again" in result.detail
     assert result.attempts == 3  # GET, PUT, clamped PUT; never more
     assert server.pods["0"].puts == 0
+
+
+# ---- pods that answer badly: every failure is the pod's PushResult, within the deadline and the cap ----------
+
+
+@pytest.fixture(params=["aiohttp", "httpcore"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def chaos_client(transport: str, *, timeout_s: float = 0.3, retries: int = 2) -> AdminClient:
+    """The operator's client (aiohttp transport), or one on httpx's own transport: the deadline is the client's."""
+    client = httpx.AsyncClient(timeout=timeout_s) if transport == "httpcore" else None
+    return AdminClient(timeout_s=timeout_s, retries=retries, backoff_s=0.01, sleep=no_sleep, client=client)
+
+
+@pytest.fixture
+async def chaos() -> AsyncIterator[ChaosPod]:
+    pod = ChaosPod()
+    await pod.start()
+    yield pod
+    await pod.stop()
+
+
+async def test_a_body_that_never_ends_is_cut_at_the_deadline(chaos: ChaosPod, transport: str) -> None:
+    await chaos.set_mode("endless")
+    admin = chaos_client(transport)
+    result = await admin.sync(PodTarget("ns/drip", chaos.url), make_window(1))
+    await admin.aclose()
+    assert result.outcome == ERROR and "timed out: no complete answer within 0.3 s" in result.detail
+    assert result.attempts == 1  # not retried: the pod had its whole deadline; the next tick tries again
+    await wait_for(lambda: chaos.hung_up["endless"] == 1, 10, "the client to hang up the dripped answer")
+
+
+async def test_a_huge_body_is_not_read_past_the_cap_nor_retried(chaos: ChaosPod, transport: str) -> None:
+    await chaos.set_mode("huge")
+    admin = chaos_client(transport, timeout_s=10.0)
+    result = await admin.sync(PodTarget("ns/huge", chaos.url), make_window(1))
+    await admin.aclose()
+    assert result.outcome == ERROR and "over the 1 MiB cap" in result.detail
+    assert result.attempts == 1
+    await wait_for(lambda: chaos.hung_up["huge"] == 1, 10, "the client to hang up")
+    # Sent = read (<= the cap and one chunk) + what the kernel's socket buffers held when the client hung up.
+    assert chaos.sent_bytes[0] < HUGE_BYTES // 4, chaos.sent_bytes
+
+
+@pytest.mark.parametrize(
+    ("mode", "detail"),
+    [("invalid_json", "unreadable window state: Invalid JSON"), ("http500", "HTTP 500: boom (2 attempts)")],
+)
+async def test_garbage_and_5xx_are_errors_not_exceptions(chaos: ChaosPod, mode: str, detail: str) -> None:
+    await chaos.set_mode(mode)
+    admin = chaos_client("aiohttp")
+    result = await admin.sync(PodTarget("ns/bad", chaos.url), make_window(1))
+    with pytest.raises(PushFailed, match=r"unreadable|HTTP 500"):
+        await admin.get_state(PodTarget("ns/bad", chaos.url))
+    await admin.aclose()
+    assert result.outcome == ERROR and detail in result.detail
+
+
+async def test_a_url_httpx_refuses_is_an_error_at_once(client: AdminClient) -> None:
+    result = await client.sync(PodTarget("ns/v6", "http://fd00::1:8081"), make_window(1))
+    assert result.outcome == ERROR and "invalid URL" in result.detail and result.attempts == 1
+
+
+@pytest.mark.skipif(not ipv6_loopback_available(), reason="this machine cannot listen on ::1")
+async def test_a_pod_on_an_ipv6_address_is_pushed(client: AdminClient) -> None:
+    fake = FakeAdminServer(0)
+    fake.add_pod(ROOT_POD, token="secret")
+    await fake.start(host="::1")
+    try:
+        port = int(fake.url.rsplit(":", 1)[1])
+        result = await client.sync(PodTarget("ns/v6", base_url("::1", port), "secret"), make_window(1))
+    finally:
+        await fake.stop()
+    assert result.outcome == OK and result.pushed and fake.pods[ROOT_POD].state.window.generation == 1
