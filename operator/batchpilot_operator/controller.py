@@ -17,8 +17,14 @@ loop for all profiles:
    the operator's own metrics.
 
 Nothing one profile does can stop another: each step catches per profile. A
-status patch that fails leaves the last-written status as it was, so the next
-tick's patch carries every field again.
+pod's failure (refused, 5xx, garbage, too slow, too long) is its PushResult, so
+its profile's Synced condition names it; anything else one profile's sync or
+status raises, a bug included, is logged with its traceback and lands on that
+profile alone (Synced=False, reason PushFailed, and a Warning Event), while the
+tick goes on for the others. Every outbound call has a deadline and a body cap
+(push.py, scrape.py, promql.py), so a slow pod holds the tick for a bounded time
+only. A status patch that fails leaves the last-written status as it was, so the
+next tick's patch carries every field again.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from batchpilot_operator import policy as policy_mod
 from batchpilot_operator.observations import Observations, known
 from batchpilot_operator.observe import INTER_TOKEN, MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.opmetrics import OperatorMetrics
+from batchpilot_operator.outbound import base_url
 from batchpilot_operator.profile import (
     BatchProfileSpec,
     Decision,
@@ -45,7 +52,7 @@ from batchpilot_operator.profile import (
     WindowInForce,
     parse_spec,
 )
-from batchpilot_operator.push import CONFLICT, ERROR, OK, REFUSED, AdminClient, PodTarget, PushResult
+from batchpilot_operator.push import CONFLICT, ERROR, OK, REFUSED, AdminClient, PodTarget, PushFailed, PushResult
 from batchpilot_operator.status import (
     FALSE,
     TRUE,
@@ -137,6 +144,7 @@ class ProfileRecord:
     push_pending: bool = True
     pod_states: dict[str, WindowState] = field(default_factory=dict)
     pod_errors: dict[str, str] = field(default_factory=dict)
+    sync_error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
     refused: dict[str, int] = field(default_factory=dict)
     clamped: dict[str, str] = field(default_factory=dict)
     last_decision: Decision | None = None
@@ -456,7 +464,7 @@ class Controller:
             targets: dict[ModelKey, list[str]] = {}
             for record in due:
                 urls = [
-                    p.metrics_url or f"http://{p.ip}:{record.spec.runtime.serve_port}/metrics"  # type: ignore[union-attr]
+                    p.metrics_url or f"{base_url(p.ip, record.spec.runtime.serve_port)}/metrics"  # type: ignore[arg-type,union-attr]
                     for p in self.pods_of(record)
                     if p.ready and (p.metrics_url or p.ip)
                 ]
@@ -494,7 +502,7 @@ class Controller:
         # 5. Status, events, metrics.
         touched = {r.ref.key: r for r in [*due, *to_sync.values()]}
         touched.update({r.ref.key: r for r in self.profiles.values() if r.spec is None})
-        await asyncio.gather(*(self._write_status(r, now_s, report) for r in touched.values()))
+        await self._write_statuses(list(touched.values()), now_s, report)
         report.seconds = self._mono() - started
         self.metrics.tick_seconds.observe(report.seconds)
         self.last_tick_finished_s = self._mono()
@@ -614,18 +622,33 @@ class Controller:
         if pod.admin_url:
             return PodTarget(pod.key, pod.admin_url, token)
         if pod.ip and record.spec is not None:
-            return PodTarget(pod.key, f"http://{pod.ip}:{record.spec.runtime.admin_port}", token)
+            return PodTarget(pod.key, base_url(pod.ip, record.spec.runtime.admin_port), token)
         return None
 
     async def _sync_profiles(self, records: Sequence[ProfileRecord], report: TickReport) -> None:
-        await asyncio.gather(*(self._sync_profile(r, report) for r in records))
+        """Sync every profile concurrently; what one profile's sync raises stays that profile's."""
+        await asyncio.gather(*(self._sync_profile_isolated(r, report) for r in records))
+
+    async def _sync_profile_isolated(self, record: ProfileRecord, report: TickReport) -> None:
+        try:
+            await self._sync_profile(record, report)
+        except Exception as error:  # a bug in one profile's sync: its status says so, the others go on
+            log.exception("sync of %s failed", record.ref.key)
+            text = f"{type(error).__name__}: {error}"
+            report.push_failures += 1
+            record.push_pending = False  # the next due tick tries again, as after a failed push
+            if record.sync_error != text:  # one Event per new error, not one per tick
+                self._queue_event(record, "Warning", "PushFailed", f"sync failed: {text}")
+            record.sync_error = text
+        else:
+            record.sync_error = None
 
     async def sync_now(self, records: Sequence[ProfileRecord]) -> None:
         """Push at once (a pod just became Ready), outside the interval."""
         async with self._tick_lock:
             report = TickReport()
             await self._sync_profiles(records, report)
-            await asyncio.gather(*(self._write_status(r, self._wall(), report) for r in records))
+            await self._write_statuses(records, self._wall(), report)
 
     async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
         spec, window = record.spec, record.window
@@ -681,8 +704,8 @@ class Controller:
             try:
                 record.pod_states[pod.key] = await self.admin.get_state(target)
                 record.pod_errors.pop(pod.key, None)
-            except Exception as error:
-                record.pod_errors[pod.key] = str(error)
+            except PushFailed as error:
+                record.pod_errors[pod.key] = f"{error.outcome}: {error.detail}"
 
     def _account(self, record: ProfileRecord, result: PushResult, report: TickReport) -> None:
         spec = record.spec
@@ -773,6 +796,8 @@ class Controller:
         ]
         if not ready:
             synced = ConditionFact(FALSE, "NoReadyPods", f"no Ready pod matches the selector of model {spec.model!r}")
+        elif record.sync_error is not None:
+            synced = ConditionFact(FALSE, "PushFailed", f"sync failed: {record.sync_error}"[:4000])
         elif recommend:
             synced = ConditionFact(TRUE, "RecommendOnly", "recommend mode: the operator never pushes")
         elif errors:
@@ -807,6 +832,17 @@ class Controller:
             metrics_available=record.metrics_fact,
             slo_met=slo_met,
         )
+
+    async def _write_statuses(self, records: Sequence[ProfileRecord], now_s: float, report: TickReport) -> None:
+        """Write every profile's status concurrently; one that cannot be built is logged and skipped."""
+        await asyncio.gather(*(self._write_status_isolated(r, now_s, report) for r in records))
+
+    async def _write_status_isolated(self, record: ProfileRecord, now_s: float, report: TickReport) -> None:
+        try:
+            await self._write_status(record, now_s, report)
+        except Exception:  # a bug in one profile's status: the others are still written
+            log.exception("status of %s could not be built", record.ref.key)
+            report.status_failures += 1
 
     async def _write_status(self, record: ProfileRecord, now_s: float, report: TickReport) -> None:
         now_iso = rfc3339(now_s)
