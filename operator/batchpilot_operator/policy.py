@@ -16,9 +16,11 @@ below the running batch and remembers it as a ceiling that lifts one step at a t
 only after 20 calm intervals; while KV usage is above 90 % the cap is never raised.
 Otherwise the P99-to-SLO ratio falls in one of three zones: **over** (P99 > SLO),
 **headroom** (P99 < 60 % of the SLO) and the **dead band** in between, where nothing
-but a badly wrong wait (off by 3x) is touched. That band, plus a two-interval confirmation
-before any step up of target and wait, is the hysteresis that keeps noise around the
-SLO from making it flap.
+but a badly wrong wait (off by 3x) is touched, and a too-short one only after four intervals
+under 85 % of the SLO. That band, plus a two-interval confirmation before any step up of
+target and wait, and no wait move under 25 % with headroom (the fill time follows the
+arrival rate's noise), is the hysteresis that keeps noise around the SLO from making it
+flap: over 200 intervals of noise around the SLO no field flaps (test_policy_noise.py).
 
 The cap is a throughput lever first. A backlog the running batch cannot absorb (the
 batch at >= 70 % of the cap and a queue of a quarter of the cap or more) raises the cap
@@ -118,6 +120,9 @@ class PolicyConfig:
     min_samples: int = 20
     headroom_ratio: float = 0.6  # P99 below this share of the SLO is headroom
     up_confirm_intervals: int = 2  # headroom must last this many intervals before going up
+    wait_min_change: float = 0.25  # with headroom, a smaller relative move of the wait is not worth a decision
+    wait_raise_ratio: float = 0.85  # in the dead band, a far too short wait rises only under this share of the SLO
+    dead_band_confirm_intervals: int = 4  # ... for this many intervals in a row (so close to the SLO, noise flips it)
     kv_soft_ratio: float = 0.9  # KV usage above this blocks every cap raise
     preemption_share_high: float = 0.01  # preemptions per arrival
     preemptions_per_s_high: float = 0.5
@@ -148,6 +153,7 @@ class PolicyState:
 
     last_change_s: float | None = None
     headroom_streak: int = 0
+    under_streak: int = 0  # intervals in a row under wait_raise_ratio of the SLO (and gaps within target)
     calm_streak: int = 0
     kv_cap_ceiling: int | None = None
     budget_ceiling: int | None = None  # the budget a too-long gap last brought it down to
@@ -499,6 +505,7 @@ def decide(
     zone_ratio = ratio if has_ttft else itl
     headroom = zone_ratio < config.headroom_ratio and not itl_over
     headroom_streak = state.headroom_streak + 1 if headroom and pressure is None else 0
+    under_streak = state.under_streak + 1 if zone_ratio < config.wait_raise_ratio and not itl_over else 0
     # The same for the budget: a gap over its target sets a ceiling, lifted a step after calm.
     itl_calm_streak = state.itl_calm_streak + 1 if itl <= 1.0 else 0
     budget_ceiling = state.budget_ceiling
@@ -512,6 +519,7 @@ def decide(
         calm_streak=calm_streak,
         kv_cap_ceiling=kv_ceiling,
         headroom_streak=headroom_streak,
+        under_streak=under_streak,
         budget_ceiling=budget_ceiling,
         itl_calm_streak=itl_calm_streak,
     )
@@ -632,13 +640,17 @@ def decide(
         if desired_target >= target + 1:
             new_target = _limit_int(target, desired_target, fraction, bounds.target_batch_size.min, target_ceiling)
         if not (known(running) and running >= new_target):
-            new_wait = _limit_wait(
+            fill_wait = _limit_wait(
                 wait,
                 desired_wait_ms(spec, new_target, obs, config),
                 fraction,
                 bounds.max_wait_ms.min,
                 bounds.max_wait_ms.max,
             )
+            # The fill time follows the arrival rate's noise: a move smaller than that is not made,
+            # or the wait would chase the noise up and down.
+            if new_target != target or abs(fill_wait - wait) >= max(WAIT_MIN_STEP_MS, config.wait_min_change * wait):
+                new_wait = fill_wait
         # Say what moved: with a larger target the fill time can still ask for a shorter wait.
         moved = [
             f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
@@ -651,7 +663,10 @@ def decide(
         want = desired_wait_ms(spec, target, obs, config)
         if target_fills_itself and not engine_busy:
             want = wait
-        if want < wait / 3 or (want > 3 * wait + WAIT_MIN_STEP_MS and zone_ratio < 0.85):
+        # The raise is confirmed like any other: with P99 noisy around the SLO, a cut on one interval
+        # and a raise on the next would make the wait oscillate.
+        confirmed_under = under_streak >= config.dead_band_confirm_intervals
+        if want < wait / 3 or (want > 3 * wait + WAIT_MIN_STEP_MS and confirmed_under):
             new_wait = _limit_wait(wait, want, fraction, bounds.max_wait_ms.min, bounds.max_wait_ms.max)
             target_why = (
                 f"dropping the wait ({busy_why})"

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from batchpilot_operator.observations import NAN, Observations, histogram_quantile, is_saturated
 from batchpilot_operator.policy import (
+    DEFAULT_CONFIG,
     RATIO_MIN_STEP,
     SIZE_MIN_STEP,
     WAIT_MIN_STEP_MS,
@@ -567,10 +568,17 @@ def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
     obs = make_obs(
         p99_s=0.2, mean_batch_size=2.0, arrival_rate_per_s=20.0, tokens_per_s=20.0, step_s_by_batch={2: 0.004}
     )
-    decision = decide(spec, window, obs, PolicyState(), 100.0)
+    # A raise waits for its confirmation (noise must not flip it), then comes.
+    state = PolicyState()
+    for i in range(DEFAULT_CONFIG.dead_band_confirm_intervals):
+        decision = decide(spec, window, obs, state, 100.0 + 15 * i)
+        state = decision.state
+        if decision.changed:
+            break
+    assert 0 < i < DEFAULT_CONFIG.dead_band_confirm_intervals
     assert decision.window.max_wait_ms > window.max_wait_ms
     assert decision.direction == "up"
-    assert "the time arrivals take to fill the target" in decision.reason
+    assert "raising the wait" in decision.reason and "as far as arrivals fill them" in decision.reason
 
 
 def test_the_reason_names_what_moved_and_which_way() -> None:
