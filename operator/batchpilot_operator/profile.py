@@ -449,6 +449,61 @@ class FriendlinessStatus(CamelModel):
     )
 
 
+POLICY_STREAK_LIMIT = 1000
+POLICY_CURVE_LIMIT = 16
+
+
+class StepTimePoint(CamelModel):
+    batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE, description="Decode batch-size bucket.")
+    step_seconds: float = Field(
+        gt=0, allow_inf_nan=False, description="Mean decode step time at that batch size (weighted over intervals)."
+    )
+
+
+class PolicyMemory(CamelModel):
+    """What the tuning policy remembers between intervals, kept here so that a restarted operator
+    continues where the last one stopped (cooldown, ceilings, confirmations, measured step times)."""
+
+    version: int = Field(
+        ge=1, description="Schema version of this block; an operator ignores a version it does not know."
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation of the spec this memory was carried to."
+    )
+    last_change_time: str | None = Field(
+        default=None, description="When the window last changed (RFC 3339, microseconds): the cooldown runs from it."
+    )
+    kv_cap_ceiling: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_BATCH_SIZE,
+        description="The cap that preemptions last brought hardCap down to; it is not raised past it until memory is calm.",
+    )
+    budget_ceiling: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_PREFILL_TOKENS_LIMIT,
+        description="The prefill budget that too-long inter-token gaps last brought it down to.",
+    )
+    calm_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row without memory pressure."
+    )
+    itl_calm_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row with inter-token gaps within target."
+    )
+    headroom_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row with P99 well under the SLO."
+    )
+    under_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row under 85 % of the SLO."
+    )
+    step_curve: list[StepTimePoint] = Field(
+        default_factory=list,
+        max_length=POLICY_CURVE_LIMIT,
+        description="Mean decode step time per batch size, from which batch-friendliness is measured.",
+    )
+
+
 class PodsStatus(CamelModel):
     total: int = Field(default=0, ge=0, description="Runtime pods selected.")
     ready: int = Field(default=0, ge=0, description="Selected pods that are Ready.")
@@ -484,6 +539,9 @@ class BatchProfileStatus(CamelModel):
     last_decision: Decision | None = Field(default=None, description="The last tuning decision.")
     recommended_window: Window | None = Field(
         default=None, description="In recommend mode: the window the operator would push."
+    )
+    policy: PolicyMemory | None = Field(
+        default=None, description="The tuning policy's memory (cooldown, ceilings, step times), kept across restarts."
     )
     conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Standard conditions.")
 

@@ -22,6 +22,7 @@ from batchpilot_operator.profile import (
     FriendlinessStatus,
     Observed,
     PodsStatus,
+    PolicyMemory,
     WindowInForce,
 )
 from batchpilot_runtime.window import Window
@@ -51,6 +52,7 @@ class StatusFacts:
     last_decision: Decision | None = None
     recommended_window: Window | None = None
     friendliness: FriendlinessStatus | None = None
+    policy: PolicyMemory | None = None
     ready: ConditionFact = ConditionFact(UNKNOWN, "Pending")
     synced: ConditionFact = ConditionFact(UNKNOWN, "Pending")
     metrics_available: ConditionFact = ConditionFact(UNKNOWN, "Pending")
@@ -100,6 +102,7 @@ def build_status(facts: StatusFacts, previous_status: Mapping[str, Any] | None, 
         pods=facts.pods,
         last_decision=facts.last_decision,
         recommended_window=facts.recommended_window,
+        policy=facts.policy,
         conditions=conditions,
     )
     return status.model_dump(by_alias=True, exclude_none=True, mode="json")
