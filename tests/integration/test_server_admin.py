@@ -1,4 +1,4 @@
-"""The admin window API: 401, 409, 422 and 200, and the window gauges after a 200."""
+"""The admin window API: 401 (for reads too), 409, 422 and 200, and the window gauges after a 200."""
 
 from __future__ import annotations
 
@@ -46,12 +46,19 @@ def _gauges(serve_url: str) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
 
 
-def _in_force(admin: httpx.Client) -> WindowState:
-    return WindowState.model_validate(admin.get("/admin/window").json())
+@pytest.fixture
+def auth(runtime: ThreadRuntime) -> dict[str, str]:
+    return runtime.auth_headers()
 
 
-def test_get_window_reports_window_and_capacity(admin: httpx.Client) -> None:
-    state = _in_force(admin)
+def _in_force(admin: httpx.Client, auth: dict[str, str]) -> WindowState:
+    response = admin.get("/admin/window", headers=auth)
+    assert response.status_code == 200, response.text
+    return WindowState.model_validate(response.json())
+
+
+def test_get_window_reports_window_and_capacity(admin: httpx.Client, auth: dict[str, str]) -> None:
+    state = _in_force(admin, auth)
     assert state.model == "tiny-test"
     assert state.capacity.kv_cache_tokens == 2048
     assert state.capacity.max_hard_cap == 2048 // state.capacity.kv_block_size
@@ -62,12 +69,30 @@ def test_get_window_reports_window_and_capacity(admin: httpx.Client) -> None:
     "headers",
     [{}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic dXNlcjpwYXNz"}, {"Authorization": "Bearer"}],
 )
-def test_put_without_valid_token_is_401(admin: httpx.Client, headers: dict[str, str]) -> None:
-    before = _in_force(admin).window
+def test_put_without_valid_token_is_401(admin: httpx.Client, auth: dict[str, str], headers: dict[str, str]) -> None:
+    before = _in_force(admin, auth).window
     response = admin.put("/admin/window", json=_window(before.generation + 1), headers=headers)
     assert response.status_code == 401
-    assert AdminError.model_validate(response.json()).error == "unauthorized"
-    assert _in_force(admin).window == before
+    refusal = AdminError.model_validate(response.json())
+    assert refusal.error == "unauthorized" and refusal.window_in_force is None
+    assert _in_force(admin, auth).window == before
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic dXNlcjpwYXNz"}, {"Authorization": "Bearer"}],
+)
+def test_get_without_valid_token_is_401_and_tells_nothing(
+    runtime: ThreadRuntime, admin: httpx.Client, headers: dict[str, str]
+) -> None:
+    response = admin.get("/admin/window", headers=headers)
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert response.json() == {
+        "error": "unauthorized",
+        "detail": "a valid 'Authorization: Bearer <token>' header is required",
+    }
+    assert runtime.ctx.loaded is not None and runtime.ctx.loaded.engine.window_state().model not in response.text
 
 
 @pytest.mark.parametrize(
@@ -84,7 +109,7 @@ def test_put_without_valid_token_is_401(admin: httpx.Client, headers: dict[str, 
 def test_invalid_window_is_422_with_the_reason(
     runtime: ThreadRuntime, admin: httpx.Client, body: dict[str, Any], named: str
 ) -> None:
-    before = _in_force(admin).window
+    before = _in_force(admin, runtime.auth_headers()).window
     response = admin.put("/admin/window", json=body, headers=runtime.auth_headers())
     assert response.status_code == 422
     refusal = AdminError.model_validate(response.json())
@@ -99,7 +124,7 @@ def test_non_json_body_is_422(runtime: ThreadRuntime, admin: httpx.Client) -> No
 
 
 def test_update_then_stale_generation_then_gauges(runtime: ThreadRuntime, admin: httpx.Client) -> None:
-    generation = _in_force(admin).window.generation + 10
+    generation = _in_force(admin, runtime.auth_headers()).window.generation + 10
     # 200: the applied window comes back, and the gauges follow.
     applied = admin.put(
         "/admin/window", json=_window(generation, target=3, cap=6, wait_ms=40), headers=runtime.auth_headers()

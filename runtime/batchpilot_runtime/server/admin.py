@@ -1,9 +1,10 @@
 """The admin app (its own port): read and replace the batching window.
 
-``PUT /admin/window`` takes an ``admin_api.WindowUpdate`` with a bearer token: 401 without
-a valid token, 422 for an invalid body or a window the pod cannot hold, 409 for a generation
-older than the one in force, 200 with the applied ``WindowState`` otherwise. The window
-applies at the engine's next step boundary.
+Every call on ``/admin/window`` needs the bearer token, reads as well as writes: without a valid
+one it is 401, and nothing about the pod (window, capacity, model) is told. ``GET`` answers the
+``WindowState`` in force. ``PUT`` takes an ``admin_api.WindowUpdate``: 422 for an invalid body or
+a window the pod cannot hold, 409 for a generation older than the one in force, 200 with the
+applied ``WindowState`` otherwise. The window applies at the engine's next step boundary.
 """
 
 from __future__ import annotations
@@ -56,12 +57,29 @@ def _token_ok(header: str | None, token: str) -> bool:
     return hmac.compare_digest(presented.strip().encode(), token.encode())
 
 
+def _unauthorized() -> JSONResponse:
+    """401, telling nothing about the pod (no window in force): the caller has not proven who it is."""
+    body = AdminError(error="unauthorized", detail="a valid 'Authorization: Bearer <token>' header is required")
+    return JSONResponse(
+        body.model_dump(mode="json", by_alias=True, exclude_none=True),
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
 def create_admin_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="batchpilot runtime admin", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
 
-    @app.get(ADMIN_WINDOW_PATH, response_model=WindowState, response_model_by_alias=True)
-    async def get_window() -> JSONResponse:
+    @app.get(
+        ADMIN_WINDOW_PATH,
+        response_model=WindowState,
+        response_model_by_alias=True,
+        responses={401: {"model": AdminError}},
+    )
+    async def get_window(request: Request) -> JSONResponse:
+        if not _token_ok(request.headers.get("authorization"), ctx.admin_token):
+            return _unauthorized()
         if ctx.loaded is None:
             return JSONResponse({"error": "loading", "detail": "the model is still loading"}, status_code=503)
         state = ctx.loaded.engine.window_state()
@@ -81,13 +99,7 @@ def create_admin_app(ctx: ServingContext) -> FastAPI:
     async def put_window(request: Request) -> JSONResponse:
         # 1. Authenticate before reading anything else.
         if not _token_ok(request.headers.get("authorization"), ctx.admin_token):
-            return _refusal(
-                401,
-                "unauthorized",
-                "a valid 'Authorization: Bearer <token>' header is required",
-                ctx,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            return _unauthorized()
         if ctx.loaded is None:
             return _refusal(503, "loading", "the model is still loading", ctx)
         # 2. Decode the body as strict JSON and validate it against the wire model.
