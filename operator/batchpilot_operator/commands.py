@@ -60,6 +60,10 @@ def _register_run(subparsers: Any) -> None:
     parser.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval, s")
     parser.add_argument("--query-timeout", type=float, default=5.0, help="timeout of one query round, s")
     parser.add_argument("--admin-token-file", type=Path, help="bearer token for the runtimes' admin API")
+    parser.add_argument("--admin-token-namespace", action="append", default=[], metavar="NAMESPACE",
+                        help="send the --admin-token-file token only to pods of this namespace (repeatable; default: "
+                             "the --namespace list, or with -A the operator's own namespace); pods elsewhere need "
+                             "their profile's spec.runtime.adminTokenSecret")  # fmt: skip
     parser.add_argument("--pod-label", action="append", default=[], metavar="KEY=VALUE",
                         help="only index pods with this label (repeatable)")  # fmt: skip
     parser.add_argument("--metrics-port", type=int, default=9090, help="port of the operator's /metrics (0: off)")
@@ -102,6 +106,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         scrape_interval_s=args.scrape_interval,
         query_timeout_s=args.query_timeout,
         admin_token_file=args.admin_token_file,
+        admin_token_namespaces=list(args.admin_token_namespace),
         pod_labels=_labels(args.pod_label),
         metrics_port=args.metrics_port,
         liveness=args.liveness or None,

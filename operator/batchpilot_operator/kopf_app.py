@@ -60,6 +60,9 @@ class RunOptions:
     scrape_interval_s: float = 15.0
     query_timeout_s: float = 5.0
     admin_token_file: Path | None = None
+    # Namespaces whose pods may receive the admin_token_file token. Empty: the watched namespaces, or, when
+    # watching all namespaces, the operator's own (where a chart install keeps that token and its runtimes).
+    admin_token_namespaces: list[str] = field(default_factory=list)
     pod_labels: dict[str, str] = field(default_factory=dict)
     metrics_port: int = 9090
     liveness: str | None = "http://0.0.0.0:8080/healthz"
@@ -203,6 +206,9 @@ class OperatorApp:
                 interval_override_s=options.interval_override_s,
                 scrape_interval_s=options.scrape_interval_s,
                 default_token=token,
+                default_token_namespaces=frozenset(
+                    options.admin_token_namespaces or options.namespaces or [self.kube_config.namespace]
+                ),
                 stuck_after_s=options.stuck_after_s,
                 resync_s=options.resync_s,
             ),

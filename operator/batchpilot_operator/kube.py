@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import yaml
@@ -173,7 +174,13 @@ class KubeClient:
         return [item for item in items if isinstance(item, dict)]
 
     async def get_secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        body = await self._request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        """One key of one Secret of ``namespace``. The profile model already holds names to the API's own
+        patterns; quoting each path segment keeps any other name (``../other/secrets/x``) out of the path too."""
+        for what, segment in (("namespace", namespace), ("Secret name", name)):
+            if segment in ("", ".", ".."):
+                raise ValueError(f"{what} {segment!r} is not a name")
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/secrets/{quote(name, safe='')}"
+        body = await self._request("GET", path)
         data = body.get("data") or {}
         if key in data:
             return base64.b64decode(data[key]).decode().strip()

@@ -102,7 +102,7 @@ class LocalSink:
         self.out.flush()
 
     async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
-        return None  # no Secrets without a cluster: tokens come from --runtime token-file=
+        raise LookupError("local mode has no Secrets: give the runtime's token with --runtime ...,token-file=PATH")
 
     def write_file(self) -> None:
         if self.status_file is None:

@@ -292,9 +292,35 @@ class Lane(CamelModel):
     )
 
 
+# A Secret's name is a DNS subdomain and its keys are [-._a-zA-Z0-9]+, as the API server requires; the name
+# pattern also keeps a name from being a path ("../other-namespace/secrets/x") when it goes into a URL.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+
+
 class SecretKeyRef(CamelModel):
-    name: str = Field(min_length=1, max_length=253, description="Secret name, in the profile's namespace.")
-    key: str = Field(default="token", min_length=1, max_length=253, description="Key within the Secret.")
+    """A key of a Secret in the profile's own namespace: there is no field for another namespace, and a
+    ``namespace`` given anyway is refused here (the API server refuses or prunes it: it is not in the schema)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_NAME_PATTERN,
+        description="Secret name, in the profile's namespace (a Secret of another namespace cannot be named).",
+    )
+    key: str = Field(
+        default="token", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN, description="Key within the Secret."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_namespace_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "namespace" in data:
+            raise ValueError(
+                f"namespace: {data['namespace']!r} is not allowed: a profile may name only a Secret of its own "
+                "namespace; leave namespace out"
+            )
+        return data
 
 
 class RuntimeEndpoint(CamelModel):

@@ -106,7 +106,9 @@ async def run(profiles: int, pods_per_profile: int) -> dict[str, Any]:
         admin = AdminClient(timeout_s=5, retries=3, concurrency=64)
         sink = MemorySink()
         controller = Controller(
-            Settings(interval_override_s=INTERVAL_S, default_token="secret"),
+            Settings(
+                interval_override_s=INTERVAL_S, default_token="secret", default_token_namespaces=frozenset({"bench"})
+            ),
             source,
             admin,
             sink,

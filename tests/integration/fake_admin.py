@@ -42,6 +42,7 @@ class FakePod:
     puts: int = 0
     gets: int = 0
     history: list[Window] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)  # the Authorization header of every admin call
 
     def restart(self) -> None:
         """A restarted runtime: back to its startup window, generation 0."""
@@ -110,6 +111,7 @@ class FakeAdminServer:
 
     async def _prelude(self, pod: FakePod, request: web.Request) -> web.Response | None:
         self.requests += 1
+        pod.authorizations.append(request.headers.get("Authorization"))
         if pod.delay_s:
             await asyncio.sleep(pod.delay_s)
         if pod.fail_next > 0:

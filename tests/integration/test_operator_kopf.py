@@ -7,6 +7,7 @@ with a 1 s interval (``--interval-override``; the resource itself allows >= 5 s)
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,8 @@ async def test_operator_reconciles_profiles_pods_and_failures(
     await create(api, "/api/v1/namespaces/ml/pods", pod_body("ml", "chat-a", {"app": "chat"}, POD_IPS[0], ready=True))
     await create(api, "/api/v1/namespaces/ml/pods", pod_body("ml", "chat-b", {"app": "chat"}, POD_IPS[1], ready=False))
     operator = OperatorProcess(
-        tmp_path, url, "-A", "--admin-token-file", str(token_file), "--interval-override", "1", "--tick", "0.3",
-        "--peering", "off", "--watch-check", "1",
+        tmp_path, url, "-A", "--admin-token-file", str(token_file), "--admin-token-namespace", "ml",
+        "--interval-override", "1", "--tick", "0.3", "--peering", "off", "--watch-check", "1",
     )  # fmt: skip
     try:
         # 1. A new profile: the Ready pod gets the spec's window; status says so.
@@ -146,6 +147,53 @@ async def test_operator_reconciles_profiles_pods_and_failures(
         text = await operator.metrics_text()
         assert "batchpilot_operator_profiles_managed 2.0" in text
         assert "batchpilot_operator_push_errors_total" in text
+        assert operator.process.poll() is None, operator.log_text()[-3000:]
+    finally:
+        operator.stop()
+        await api.aclose()
+
+
+async def test_tokens_reach_only_pods_of_their_profiles_namespace(
+    env: tuple[KubeCluster, str, dict[str, FakeAdminServer], int], tmp_path: Path
+) -> None:
+    """A look-alike pod (same labels) in another namespace never gets a request; a profile's Secret is read
+    in its own namespace; the operator's own token stays in its namespace (here kubeconfig's: default)."""
+    cluster, url, fakes, port = env
+    home, away = (fakes[ip].pods[ROOT_POD] for ip in POD_IPS)
+    home.token, away.token = "ml-secret-token", None  # the look-alike would take any token: none may arrive
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    api = _client(url)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-admin", "namespace": "ml"},
+              "data": {"token": base64.b64encode(b"ml-secret-token").decode()}}  # fmt: skip
+    await create(api, "/api/v1/namespaces/ml/secrets", secret)
+    await create(api, "/api/v1/namespaces/ml/pods", pod_body("ml", "chat-a", {"app": "chat"}, POD_IPS[0], ready=True))
+    await create(api, "/api/v1/namespaces/other/pods",
+                 pod_body("other", "chat-a", {"app": "chat"}, POD_IPS[1], ready=True))  # fmt: skip
+    operator = OperatorProcess(
+        tmp_path, url, "-A", "--admin-token-file", str(token_file), "--interval-override", "1", "--tick", "0.3",
+        "--peering", "off",
+    )  # fmt: skip
+    runtime = {"adminPort": port, "servePort": port}
+    try:
+        with_secret = spec(port, runtime={**runtime, "adminTokenSecret": {"name": "chat-admin"}})
+        await create(api, PROFILES_PATH, profile_body("ml", "chat", with_secret))
+        await create(api, "/apis/batchpilot.dev/v1alpha1/namespaces/other/batchprofiles",
+                     profile_body("other", "chat", spec(port)))  # fmt: skip
+        stranger = {"name": "batchpilot-admin-token", "namespace": "default"}
+        await create(api, PROFILES_PATH, profile_body("ml", "stranger", spec(
+            port, selector={"matchLabels": {"app": "nothing"}}, runtime={**runtime, "adminTokenSecret": stranger})))  # fmt: skip
+        await wait_for(lambda: home.state.window.generation >= 1, 60, "the pod in ml to get the window")
+        withheld = await wait_for(
+            lambda: (c := condition(cluster, "chat", "Synced", "other")) and c["status"] == "False" and c,
+            30,
+            "Synced=False for the profile outside the operator's token namespaces",
+        )
+        assert "the operator's admin token goes only to pods in namespaces default, not 'other'" in withheld["message"]
+        refused = await wait_for(lambda: condition(cluster, "stranger", "Ready"), 30, "the stranger's condition")
+        assert refused["reason"] == "InvalidSpec" and "adminTokenSecret: namespace" in refused["message"]
+        assert home.authorizations and set(home.authorizations) == {"Bearer ml-secret-token"}
+        assert away.authorizations == []
         assert operator.process.poll() is None, operator.log_text()[-3000:]
     finally:
         operator.stop()

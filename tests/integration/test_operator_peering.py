@@ -57,8 +57,8 @@ async def test_only_the_highest_priority_replica_is_active(pod: tuple[FakeAdminS
         assert (await api.post("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles", json=profile)).is_success
         # A peering lifetime well above a starved machine's scheduling hiccups: with 4 s the active
         # replica's keepalive could come late on a loaded host and the low one would take over.
-        common = ["-A", "--admin-token-file", str(token_file), "--interval-override", "1", "--tick", "0.3",
-                  "--peering", "auto", "--peering-lifetime", "12"]  # fmt: skip
+        common = ["-A", "--admin-token-file", str(token_file), "--admin-token-namespace", "ml",
+                  "--interval-override", "1", "--tick", "0.3", "--peering", "auto", "--peering-lifetime", "12"]  # fmt: skip
         high = OperatorProcess(tmp_path / "high", url, *common, "--priority", "20", name="high")
         low: OperatorProcess | None = None
         try:

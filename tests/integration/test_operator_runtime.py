@@ -200,7 +200,7 @@ async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
             body = pod_body("ml", f"chat-{i}", {"app": "chat"}, ip, ready=True)
             assert (await api.post("/api/v1/namespaces/ml/pods", json=body)).status_code == 200
         operator = OperatorProcess(
-            tmp_path / "operator", url, "-A", "--admin-token-file", str(token_file),
+            tmp_path / "operator", url, "-A", "--admin-token-file", str(token_file), "--admin-token-namespace", "ml",
             "--prometheus-url", prometheus.url, "--scrape-interval", "1", "--interval-override", str(INTERVAL_S),
             "--tick", "0.25", "--peering", "off",
         )  # fmt: skip

@@ -121,7 +121,7 @@ async def h() -> AsyncIterator[Harness]:
         admin = AdminClient(timeout_s=0.5, retries=2, backoff_s=0.01, sleep=no_sleep)
         harness: Harness
         controller = Controller(
-            Settings(interval_override_s=1.0, default_token="secret"),
+            Settings(interval_override_s=1.0, default_token="secret", default_token_namespaces=frozenset({"ml"})),
             source,
             admin,
             sink,

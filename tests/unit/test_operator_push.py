@@ -114,6 +114,16 @@ async def test_wrong_token_is_unauthorized(server: FakeAdminServer, client: Admi
     assert result.outcome == UNAUTHORIZED and result.attempts == 1
 
 
+async def test_reads_carry_the_token_as_writes_do(server: FakeAdminServer, client: AdminClient) -> None:
+    await client.get_state(target(server))
+    await client.sync(target(server), make_window(1))  # a GET, then a PUT
+    assert server.pods["0"].authorizations == ["Bearer secret"] * 3
+    assert (server.pods["0"].gets, server.pods["0"].puts) == (2, 1)
+    with pytest.raises(PushFailed) as caught:
+        await client.get_state(target(server, token=None))
+    assert caught.value.outcome == UNAUTHORIZED and server.pods["0"].authorizations[-1] is None
+
+
 async def test_newer_generation_on_pod_is_a_conflict(server: FakeAdminServer, client: AdminClient) -> None:
     await client.sync(target(server), make_window(7))
     result = await client.sync(target(server), make_window(5))
