@@ -7,10 +7,12 @@ and the operator reads the list to know which features its RBAC allows.
 
 Two modes, as in the chart:
 
-- ``clusterwide`` (``--all-namespaces``): one ClusterRole holds everything.
+- ``clusterwide`` (``--all-namespaces``): one ClusterRole holds everything,
+  Secret reads in every namespace included.
 - ``namespaced`` (``--namespace`` for each watched namespace): a Role in each
-  watched namespace holds the namespace-scoped entries; a small ClusterRole
-  holds only the cluster-scoped ones kopf needs for scanning.
+  watched namespace holds the namespace-scoped entries (Secret reads there and
+  nowhere else); a small ClusterRole holds only the cluster-scoped ones kopf
+  needs for scanning.
 
 Peering (several replicas, at most one active) adds kopf's peering objects:
 ``clusterkopfpeerings`` in clusterwide mode, ``kopfpeerings`` in each watched
@@ -84,7 +86,10 @@ PERMISSIONS: tuple[Permission, ...] = (
         "secrets",
         ("get",),
         "namespace",
-        "a profile's spec.runtime.adminTokenSecret holds the bearer token for its pods' admin API",
+        "a profile's spec.runtime.adminTokenSecret, a Secret of the profile's own namespace, holds the bearer "
+        "token for its pods' admin API. get only: the operator reads a Secret a profile names and can list none. "
+        "Namespaced, a Role grants it in each watched namespace; cluster-wide, a profile in any namespace may "
+        "name one, which takes the ClusterRole (resourceNames cannot help: the names are the profiles' choice)",
     ),
     Permission(
         "apiextensions.k8s.io",

@@ -91,6 +91,7 @@ def test_default_render_has_the_operator_and_nothing_optional(rendered: dict[str
             "Service",
             "Secret",
             "PodDisruptionBudget",
+            "NetworkPolicy",
             "Pod",
         }
     )
@@ -263,12 +264,18 @@ def test_a_profile_the_crd_refuses_is_caught() -> None:
     assert any("targetBatchSize must be less than or equal to hardCap" in e for e in errors), errors
 
 
-def test_network_policy_admits_only_the_operator_to_admin_ports(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    docs = rendered["all-on"]
+@pytest.mark.parametrize("case", ["defaults", "all-on"])
+def test_network_policy_admits_only_the_operator_to_admin_ports(
+    rendered: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    """On by default: the admin port only from the operator's pods (of the release namespace: a podSelector
+    without a namespaceSelector), the serving port from servingFrom, or from everyone when that is empty."""
+    docs = rendered[case]
     operator_labels = _operator(docs)["spec"]["template"]["metadata"]["labels"]
     policy = one(docs, "NetworkPolicy", "bp-batchpilot-runtime")
+    assert policy["metadata"]["namespace"] == "batchpilot-system" and policy["spec"]["policyTypes"] == ["Ingress"]
     runtimes = [d for d in find(docs, "Deployment") if d["metadata"]["name"] != "bp-batchpilot-operator"]
-    assert runtimes
+    assert runtimes or case == "defaults"
     for runtime in runtimes:
         assert labels_match(
             policy["spec"]["podSelector"]["matchLabels"], runtime["spec"]["template"]["metadata"]["labels"]
@@ -277,8 +284,35 @@ def test_network_policy_admits_only_the_operator_to_admin_ports(rendered: dict[s
     assert len(admin_rules) == 1 and admin_rules[0]["ports"] == [{"port": "admin", "protocol": "TCP"}]
     (peer,) = admin_rules[0]["from"]
     assert set(peer) == {"podSelector"} and labels_match(peer["podSelector"]["matchLabels"], operator_labels)
-    other_ports = [p["port"] for r in policy["spec"]["ingress"] if r is not admin_rules[0] for p in r["ports"]]
-    assert other_ports == ["http"]
+    (serving,) = [r for r in policy["spec"]["ingress"] if r is not admin_rules[0]]
+    assert serving["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert ("from" in serving) == (case == "all-on")  # defaults: the serving port stays open to every client
+    operator_policy = one(docs, "NetworkPolicy", "bp-batchpilot-operator")
+    assert [p["port"] for r in operator_policy["spec"]["ingress"] for p in r["ports"]] == ["metrics", "health"]
+    assert not find(helm_template(sets=["networkPolicy.enabled=false"], include_crds=False), "NetworkPolicy")
+
+
+def test_the_admin_token_goes_only_to_the_release_namespace_and_the_named_ones(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    for case, docs in rendered.items():
+        operator = _operator(docs)
+        args = _args(operator)
+        assert [a for a in args if a.startswith("--admin-token-namespace")] == [
+            "--admin-token-namespace=$(POD_NAMESPACE)"
+        ]
+        # The kubelet expands $(POD_NAMESPACE) from the container's env: the pod's own namespace.
+        env = {e["name"]: e for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, case
+    extra = helm_template(sets=["adminToken.extraNamespaces={team-a,team-b}"], include_crds=False)
+    args = _args(_operator(extra))
+    assert operator_cli.build_parser().parse_args(args).admin_token_namespace == [
+        "$(POD_NAMESPACE)",
+        "team-a",
+        "team-b",
+    ]
+    with pytest.raises(AssertionError, match="extraNamespaces"):
+        helm_template(sets=["adminToken.extraNamespaces={Not_A_Namespace}"], include_crds=False)
 
 
 def test_pdb_and_services_select_their_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:

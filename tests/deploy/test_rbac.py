@@ -135,6 +135,19 @@ def test_no_role_grants_wildcards_or_secrets_beyond_get() -> None:
                 assert verb == "get"
 
 
+def test_secret_reads_are_as_narrow_as_the_install_mode_allows() -> None:
+    """Namespaced: Secrets only in the watched namespaces, none cluster-wide. Cluster-wide: get, never list or
+    watch (the operator reads only a Secret a profile names, and cannot enumerate them)."""
+    secrets_get = ("", "secrets", "get")
+    docs = helm_template(sets=["operator.watchNamespaces={team-a,team-b}"], include_crds=False)
+    cluster, namespaced = _operator_grants(docs)
+    assert not [t for t in cluster if t[1] == "secrets"]
+    assert {ns for ns, granted in namespaced.items() if secrets_get in granted} == {"team-a", "team-b"}
+    for docs in (helm_template(include_crds=False), kustomize(DEPLOY / "overlays" / "production")):
+        cluster, namespaced = _operator_grants(docs)
+        assert [t for t in cluster if t[1] == "secrets"] == [secrets_get] and namespaced == {}
+
+
 def test_declared_list_is_consistent() -> None:
     for permission in rbac.PERMISSIONS:
         assert permission.verbs == tuple(dict.fromkeys(permission.verbs)), permission
