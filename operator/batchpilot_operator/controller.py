@@ -10,7 +10,10 @@ loop for all profiles:
    grouped queries run once per interval, however many profiles there are);
 2. collect every due model's metrics from the source in one call;
 3. decide per profile and mode (adaptive: the policy; recommend: the policy,
-   reported only; static: the spec's window);
+   reported only; static: the spec's window); a window that changed goes to
+   status at once, with the policy's memory that chose it (written ahead of the
+   push, so that an operator killed before step 5 leaves a status its successor
+   continues from: one more patch per window change, none per tick);
 4. sync every ready pod of the due profiles (and of profiles with a pending
    push) to the window in force, concurrently;
 5. build each profile's status, patch it when it changed, post Events, update
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchpilot_operator import policy as policy_mod
+from batchpilot_operator import policy_memo
 from batchpilot_operator.observations import Observations, known
 from batchpilot_operator.observe import INTER_TOKEN, MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.opmetrics import OperatorMetrics
@@ -52,17 +56,7 @@ from batchpilot_operator.profile import (
     WindowInForce,
     parse_spec,
 )
-from batchpilot_operator.push import (
-    CONFLICT,
-    ERROR,
-    OK,
-    REFUSED,
-    UNAUTHORIZED,
-    AdminClient,
-    PodTarget,
-    PushFailed,
-    PushResult,
-)
+from batchpilot_operator.push import CONFLICT, ERROR, OK, REFUSED, AdminClient, PodTarget, PushFailed, PushResult
 from batchpilot_operator.status import (
     FALSE,
     TRUE,
@@ -89,9 +83,6 @@ class Settings:
     interval_override_s: float | None = None
     scrape_interval_s: float = 15.0
     default_token: str | None = None
-    # The namespaces whose pods may receive default_token (the operator's own, fleet-wide token); a pod
-    # elsewhere gets only its profile's Secret, or no request. Empty: default_token goes to no pod.
-    default_token_namespaces: frozenset[str] = frozenset()
     stuck_after_s: float = 120.0  # liveness fails when no tick finished for this long
     max_events_per_tick: int = 200  # a flood guard: 1,000 failing profiles must not DoS the API server
     # A pod known to run the window in force is read back at most this often (0: every interval). Restarts
@@ -230,8 +221,7 @@ class Controller:
         self.last_tick_finished_s: float | None = None
         self.ticks = 0
         self.last_report = TickReport()
-        # (namespace, name, key) -> (read at, the token or None, why it is None)
-        self._secret_cache: dict[tuple[str, str, str], tuple[float, str | None, str]] = {}
+        self._secret_cache: dict[tuple[str, str, str], tuple[float, str | None]] = {}
         self._tick_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._events_this_tick = 0
@@ -267,6 +257,7 @@ class Controller:
             record = ProfileRecord(ref=ref, generation=generation, spec=parsed, error=error)
             record.status_written = dict(status or {})
             record.window = _window_from_status(status)
+            record.policy_state = self._policy_from_status(ref, status, parsed, generation)
             self.profiles[ref.key] = record
         else:
             old_spec = record.spec
@@ -277,6 +268,9 @@ class Controller:
                 record.window = None  # a new starting window: reset to it on the next push
             if parsed is not None and old_spec is not None and parsed.lanes != old_spec.lanes and record.window:
                 record.window = record.window.with_generation(record.window.generation + 1)
+            if parsed is not None and parsed != old_spec:
+                # The same rule as for a memory restored across a spec change: a restart changes nothing.
+                record.policy_state = policy_memo.carry_over(record.policy_state, parsed)
         if parsed is not None:
             self._ensure_window(record)
         self._reindex_profile(record, old_index_key)
@@ -284,6 +278,17 @@ class Controller:
         self.metrics.profiles_managed.set(len(self.profiles))
         self._wake.set()
         return record
+
+    def _policy_from_status(
+        self, ref: ProfileRef, status: Mapping[str, Any] | None, spec: BatchProfileSpec | None, generation: int | None
+    ) -> policy_mod.PolicyState:
+        """The policy's memory kept in status by an earlier operator, or a fresh one (said once, in the log)."""
+        restored = policy_memo.restore(status, spec, generation, self._wall())
+        if restored.problem is not None:
+            log.warning("profile %s: policy memory in status not used, starting afresh: %s", ref.key, restored.problem)
+        elif restored.carried_over:
+            log.info("profile %s: policy memory from status carried over to generation %s", ref.key, generation)
+        return restored.state
 
     def remove_profile(self, namespace: str, name: str) -> None:
         record = self.profiles.pop(f"{namespace}/{name}", None)
@@ -500,6 +505,7 @@ class Controller:
         report.metrics_error = metrics_error
 
         # 3. Decide.
+        windows_before = {r.ref.key: r.window for r in due}
         for record in due:
             try:
                 self._decide(record, metrics, metrics_error, now_s, report)
@@ -507,6 +513,9 @@ class Controller:
                 log.exception("decision for %s failed", record.ref.key)
                 record.metrics_fact = ConditionFact(UNKNOWN, "DecisionFailed", f"{type(error).__name__}: {error}")
         report.evaluated = len(due)
+        changed = [r for r in due if r.window is not None and r.window != windows_before[r.ref.key]]
+        if changed:
+            await self._write_statuses(changed, now_s, report, only=("window", "policy"))
 
         # 4. Push (due profiles, and any with a pending push: new profiles, spec changes, new pods).
         to_sync = {r.ref.key: r for r in due}
@@ -613,46 +622,24 @@ class Controller:
 
     # ---- pushes -------------------------------------------------------------------------------------
 
-    async def _token(self, record: ProfileRecord, pod: PodRecord) -> tuple[str | None, str | None]:
-        """``(token, None)``: the bearer token for this pod, None for none; ``(None, why)``: a token this pod must
-        not receive, so no request goes to it.
-
-        In order: the pod's own token (local mode: given on the command line); the profile's Secret, always read
-        in the profile's namespace and sent only to a pod of that namespace; the operator's own token, sent only
-        to pods of ``default_token_namespaces``.
-        """
+    async def _token(self, record: ProfileRecord, pod: PodRecord) -> str | None:
         if pod.token:
-            return pod.token, None
+            return pod.token
         spec = record.spec
         if spec is not None and spec.runtime.admin_token_secret is not None:
             ref = spec.runtime.admin_token_secret
-            if pod.namespace != record.ref.namespace:  # _selects never lets this happen; a Secret stays at home
-                return None, (
-                    f"not sent: the token of Secret {record.ref.namespace}/{ref.name} goes only to pods "
-                    f"of namespace {record.ref.namespace!r}"
-                )
             key = (record.ref.namespace, ref.name, ref.key)
             cached = self._secret_cache.get(key)
-            if cached is None or self._mono() - cached[0] >= 60.0:
-                try:
-                    token = await self.sink.read_secret(record.ref.namespace, ref.name, ref.key)
-                    problem = f"has no key {ref.key!r}"
-                except Exception as error:
-                    log.warning("reading Secret %s/%s failed: %s", record.ref.namespace, ref.name, error)
-                    token, problem = (cached[1] if cached else None), f"could not be read: {error}"
-                cached = self._secret_cache[key] = (self._mono(), token, problem)
-            if cached[1] is None:  # no token is no reason to send a request without one (or with another)
-                return None, f"not sent: Secret {record.ref.namespace}/{ref.name} {cached[2]}"
-            return cached[1], None
-        if self.settings.default_token is None:
-            return None, None
-        if pod.namespace in self.settings.default_token_namespaces:
-            return self.settings.default_token, None
-        allowed = ", ".join(sorted(self.settings.default_token_namespaces)) or "none"
-        return None, (
-            f"not sent: the operator's admin token goes only to pods in namespaces {allowed}, not "
-            f"{pod.namespace!r}; name a Secret of namespace {pod.namespace!r} in spec.runtime.adminTokenSecret"
-        )
+            if cached is not None and self._mono() - cached[0] < 60.0:
+                return cached[1]
+            try:
+                token = await self.sink.read_secret(record.ref.namespace, ref.name, ref.key)
+            except Exception as error:
+                log.warning("reading Secret %s/%s failed: %s", record.ref.namespace, ref.name, error)
+                token = cached[1] if cached else None
+            self._secret_cache[key] = (self._mono(), token)
+            return token
+        return self.settings.default_token
 
     def _target(self, record: ProfileRecord, pod: PodRecord, token: str | None) -> PodTarget | None:
         if pod.admin_url:
@@ -695,7 +682,6 @@ class Controller:
             return
         pods = [p for p in self.pods_of(record) if p.ready]
         jobs: list[Awaitable[PushResult]] = []
-        not_sent: list[PushResult] = []  # pods no token may go to: no request at all
         now = self._mono()
         lanes = lanes_of(spec, window.generation)
         for pod in pods:
@@ -706,11 +692,7 @@ class Controller:
             recently = now - record.verified_s.get(pod.key, -math.inf) < self.settings.resync_s
             if in_sync and pod.key not in record.pod_errors and recently:
                 continue  # known in sync and checked recently: no request at all
-            token, withheld = await self._token(record, pod)
-            if withheld is not None:
-                not_sent.append(PushResult(pod.key, UNAUTHORIZED, detail=withheld))
-                continue
-            target = self._target(record, pod, token)
+            target = self._target(record, pod, await self._token(record, pod))
             if target is None:
                 continue
             # Behind (or never seen): PUT at once. In sync: read it back (a restart shows up here).
@@ -723,14 +705,12 @@ class Controller:
             retry_names = {r.pod for r in results if r.outcome == CONFLICT}
             retry_jobs: list[Awaitable[PushResult]] = []
             for pod in pods:
-                if pod.key not in retry_names:
-                    continue
-                target = self._target(record, pod, (await self._token(record, pod))[0])
+                target = self._target(record, pod, await self._token(record, pod)) if pod.key in retry_names else None
                 if target is not None:
                     retry_jobs.append(self.admin.sync(target, record.window, lanes_of(spec, record.window.generation)))
             retried = await asyncio.gather(*retry_jobs)
             results = [r for r in results if r.pod not in retry_names] + list(retried)
-        for result in results + not_sent:
+        for result in results:
             self._account(record, result, report)
         # Failed pods are not retried before the next interval (sync already retried with backoff);
         # being level-triggered, the next due tick finds them behind and pushes again.
@@ -741,11 +721,7 @@ class Controller:
         for pod in self.pods_of(record):
             if not pod.ready:
                 continue
-            token, withheld = await self._token(record, pod)
-            if withheld is not None:
-                record.pod_errors[pod.key] = f"{UNAUTHORIZED}: {withheld}"
-                continue
-            target = self._target(record, pod, token)
+            target = self._target(record, pod, await self._token(record, pod))
             if target is None:
                 continue
             try:
@@ -817,6 +793,7 @@ class Controller:
                 synced=ConditionFact(UNKNOWN, "InvalidSpec", "nothing is pushed for an invalid spec"),
                 metrics_available=ConditionFact(UNKNOWN, "InvalidSpec", "not observed"),
                 slo_met=ConditionFact(UNKNOWN, "InvalidSpec", "not observed"),
+                policy=policy_memo.to_status(record.policy_state, record.generation),
             )
         pods = self.pods_of(record)
         ready = [p for p in pods if p.ready]
@@ -874,24 +851,32 @@ class Controller:
             last_decision=record.last_decision,
             recommended_window=record.recommended,
             friendliness=record.friendliness,
+            policy=policy_memo.to_status(record.policy_state, record.generation),
             ready=ready_fact,
             synced=synced,
             metrics_available=record.metrics_fact,
             slo_met=slo_met,
         )
 
-    async def _write_statuses(self, records: Sequence[ProfileRecord], now_s: float, report: TickReport) -> None:
-        """Write every profile's status concurrently; one that cannot be built is logged and skipped."""
-        await asyncio.gather(*(self._write_status_isolated(r, now_s, report) for r in records))
+    async def _write_statuses(
+        self, records: Sequence[ProfileRecord], now_s: float, report: TickReport, only: tuple[str, ...] | None = None
+    ) -> None:
+        """Write every profile's status (or only the fields ``only`` names) concurrently; one that cannot be
+        built is logged and skipped."""
+        await asyncio.gather(*(self._write_status_isolated(r, now_s, report, only) for r in records))
 
-    async def _write_status_isolated(self, record: ProfileRecord, now_s: float, report: TickReport) -> None:
+    async def _write_status_isolated(
+        self, record: ProfileRecord, now_s: float, report: TickReport, only: tuple[str, ...] | None = None
+    ) -> None:
         try:
-            await self._write_status(record, now_s, report)
+            await self._write_status(record, now_s, report, only)
         except Exception:  # a bug in one profile's status: the others are still written
             log.exception("status of %s could not be built", record.ref.key)
             report.status_failures += 1
 
-    async def _write_status(self, record: ProfileRecord, now_s: float, report: TickReport) -> None:
+    async def _write_status(
+        self, record: ProfileRecord, now_s: float, report: TickReport, only: tuple[str, ...] | None = None
+    ) -> None:
         now_iso = rfc3339(now_s)
         facts = self.facts(record)
         if record.spec is None and record.invalid_reported_generation != record.generation:
@@ -907,7 +892,11 @@ class Controller:
             new_status["window"]["appliedAt"] = old_window.get("appliedAt") or now_iso
         elif "window" in new_status:
             new_status["window"]["appliedAt"] = now_iso
-        patch = merge_patch(record.status_written, new_status)
+        written = record.status_written
+        if only is not None:
+            new_status = {k: v for k, v in new_status.items() if k in only}
+            written = {k: v for k, v in written.items() if k in only}
+        patch = merge_patch(written, new_status)
         self._export(record, facts)
         if not patch:
             return
