@@ -56,7 +56,17 @@ from batchpilot_operator.profile import (
     WindowInForce,
     parse_spec,
 )
-from batchpilot_operator.push import CONFLICT, ERROR, OK, REFUSED, AdminClient, PodTarget, PushFailed, PushResult
+from batchpilot_operator.push import (
+    CONFLICT,
+    ERROR,
+    OK,
+    REFUSED,
+    UNAUTHORIZED,
+    AdminClient,
+    PodTarget,
+    PushFailed,
+    PushResult,
+)
 from batchpilot_operator.status import (
     FALSE,
     TRUE,
@@ -83,6 +93,9 @@ class Settings:
     interval_override_s: float | None = None
     scrape_interval_s: float = 15.0
     default_token: str | None = None
+    # The namespaces whose pods may receive default_token (the operator's own, fleet-wide token); a pod
+    # elsewhere gets only its profile's Secret, or no request. Empty: default_token goes to no pod.
+    default_token_namespaces: frozenset[str] = frozenset()
     stuck_after_s: float = 120.0  # liveness fails when no tick finished for this long
     max_events_per_tick: int = 200  # a flood guard: 1,000 failing profiles must not DoS the API server
     # A pod known to run the window in force is read back at most this often (0: every interval). Restarts
@@ -221,7 +234,8 @@ class Controller:
         self.last_tick_finished_s: float | None = None
         self.ticks = 0
         self.last_report = TickReport()
-        self._secret_cache: dict[tuple[str, str, str], tuple[float, str | None]] = {}
+        # (namespace, name, key) -> (read at, the token or None, why it is None)
+        self._secret_cache: dict[tuple[str, str, str], tuple[float, str | None, str]] = {}
         self._tick_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._events_this_tick = 0
@@ -622,24 +636,46 @@ class Controller:
 
     # ---- pushes -------------------------------------------------------------------------------------
 
-    async def _token(self, record: ProfileRecord, pod: PodRecord) -> str | None:
+    async def _token(self, record: ProfileRecord, pod: PodRecord) -> tuple[str | None, str | None]:
+        """``(token, None)``: the bearer token for this pod, None for none; ``(None, why)``: a token this pod must
+        not receive, so no request goes to it.
+
+        In order: the pod's own token (local mode: given on the command line); the profile's Secret, always read
+        in the profile's namespace and sent only to a pod of that namespace; the operator's own token, sent only
+        to pods of ``default_token_namespaces``.
+        """
         if pod.token:
-            return pod.token
+            return pod.token, None
         spec = record.spec
         if spec is not None and spec.runtime.admin_token_secret is not None:
             ref = spec.runtime.admin_token_secret
+            if pod.namespace != record.ref.namespace:  # _selects never lets this happen; a Secret stays at home
+                return None, (
+                    f"not sent: the token of Secret {record.ref.namespace}/{ref.name} goes only to pods "
+                    f"of namespace {record.ref.namespace!r}"
+                )
             key = (record.ref.namespace, ref.name, ref.key)
             cached = self._secret_cache.get(key)
-            if cached is not None and self._mono() - cached[0] < 60.0:
-                return cached[1]
-            try:
-                token = await self.sink.read_secret(record.ref.namespace, ref.name, ref.key)
-            except Exception as error:
-                log.warning("reading Secret %s/%s failed: %s", record.ref.namespace, ref.name, error)
-                token = cached[1] if cached else None
-            self._secret_cache[key] = (self._mono(), token)
-            return token
-        return self.settings.default_token
+            if cached is None or self._mono() - cached[0] >= 60.0:
+                try:
+                    token = await self.sink.read_secret(record.ref.namespace, ref.name, ref.key)
+                    problem = f"has no key {ref.key!r}"
+                except Exception as error:
+                    log.warning("reading Secret %s/%s failed: %s", record.ref.namespace, ref.name, error)
+                    token, problem = (cached[1] if cached else None), f"could not be read: {error}"
+                cached = self._secret_cache[key] = (self._mono(), token, problem)
+            if cached[1] is None:  # no token is no reason to send a request without one (or with another)
+                return None, f"not sent: Secret {record.ref.namespace}/{ref.name} {cached[2]}"
+            return cached[1], None
+        if self.settings.default_token is None:
+            return None, None
+        if pod.namespace in self.settings.default_token_namespaces:
+            return self.settings.default_token, None
+        allowed = ", ".join(sorted(self.settings.default_token_namespaces)) or "none"
+        return None, (
+            f"not sent: the operator's admin token goes only to pods in namespaces {allowed}, not "
+            f"{pod.namespace!r}; name a Secret of namespace {pod.namespace!r} in spec.runtime.adminTokenSecret"
+        )
 
     def _target(self, record: ProfileRecord, pod: PodRecord, token: str | None) -> PodTarget | None:
         if pod.admin_url:
@@ -682,6 +718,7 @@ class Controller:
             return
         pods = [p for p in self.pods_of(record) if p.ready]
         jobs: list[Awaitable[PushResult]] = []
+        not_sent: list[PushResult] = []  # pods no token may go to: no request at all
         now = self._mono()
         lanes = lanes_of(spec, window.generation)
         for pod in pods:
@@ -692,7 +729,11 @@ class Controller:
             recently = now - record.verified_s.get(pod.key, -math.inf) < self.settings.resync_s
             if in_sync and pod.key not in record.pod_errors and recently:
                 continue  # known in sync and checked recently: no request at all
-            target = self._target(record, pod, await self._token(record, pod))
+            token, withheld = await self._token(record, pod)
+            if withheld is not None:
+                not_sent.append(PushResult(pod.key, UNAUTHORIZED, detail=withheld))
+                continue
+            target = self._target(record, pod, token)
             if target is None:
                 continue
             # Behind (or never seen): PUT at once. In sync: read it back (a restart shows up here).
@@ -705,12 +746,14 @@ class Controller:
             retry_names = {r.pod for r in results if r.outcome == CONFLICT}
             retry_jobs: list[Awaitable[PushResult]] = []
             for pod in pods:
-                target = self._target(record, pod, await self._token(record, pod)) if pod.key in retry_names else None
+                if pod.key not in retry_names:
+                    continue
+                target = self._target(record, pod, (await self._token(record, pod))[0])
                 if target is not None:
                     retry_jobs.append(self.admin.sync(target, record.window, lanes_of(spec, record.window.generation)))
             retried = await asyncio.gather(*retry_jobs)
             results = [r for r in results if r.pod not in retry_names] + list(retried)
-        for result in results:
+        for result in results + not_sent:
             self._account(record, result, report)
         # Failed pods are not retried before the next interval (sync already retried with backoff);
         # being level-triggered, the next due tick finds them behind and pushes again.
@@ -721,7 +764,11 @@ class Controller:
         for pod in self.pods_of(record):
             if not pod.ready:
                 continue
-            target = self._target(record, pod, await self._token(record, pod))
+            token, withheld = await self._token(record, pod)
+            if withheld is not None:
+                record.pod_errors[pod.key] = f"{UNAUTHORIZED}: {withheld}"
+                continue
+            target = self._target(record, pod, token)
             if target is None:
                 continue
             try:
