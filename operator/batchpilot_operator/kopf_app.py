@@ -9,16 +9,25 @@ pushing and status writing for every profile (see :mod:`.controller`).
   delete -> ``remove_profile`` (no finalizer: there is nothing to clean up).
 - Pod events -> the pod index (namespace -> pods; profiles match by selector),
   and a pod that becomes Ready is pushed the current window at once.
-- Liveness (kopf's probe endpoint) fails when the loop has not finished a tick
-  for a while, or when the BatchProfile watch is stuck: every ``watch_check_s``
-  the loop lists BatchProfiles and compares their resourceVersions with those
-  the watch delivered; a difference that survives two checks means the watch
-  stream died silently. kopf's own ``inactivity_timeout`` reconnects dead
-  streams; the check catches what that misses.
+- Liveness (kopf's probe endpoint) fails when the loop has not finished an
+  iteration for a while, or when the BatchProfile watch is stuck: every
+  ``watch_check_s`` the active replica lists BatchProfiles and compares their
+  resourceVersions with those the watch delivered; a difference that survives
+  two checks means the watch stream died silently. kopf's own
+  ``inactivity_timeout`` reconnects dead streams; the check catches what that
+  misses.
 - Peering: several replicas run, one is active. kopf pauses its watches on the
   replica with the lower priority; the loop reads the same peering object and
   pauses with it. The default priority is the start time, so during a rolling
   update the newer replica takes over and the older one pauses: never two.
+- A paused replica (a standby) has no watch to check: kopf closed it, so every
+  write of the active replica would look like a missed event, the kubelet would
+  restart the standby, the restarted one would win the peering with its newer
+  start time, and leadership would ping-pong. A standby's liveness is its loop
+  iterating and its own peering keep-alive landing (its record in the peering
+  object stays alive), which is what it needs to take over. Its first watch
+  check comes a full ``watch_check_s`` after it becomes active, when kopf has
+  resumed and re-listed.
 - kopf's own state lives in annotations (the CRD's status schema has no room
   for ``status.kopf``), and kopf's per-handler Events are limited to warnings.
 """
@@ -105,7 +114,12 @@ class PeeringGate:
     """Is this replica the active one? Reads kopf's peering object the way kopf does.
 
     Active when no live peer has the same or a higher priority, and this replica has been
-    registered for ``settle_s`` (kopf pauses its handlers by the same rule).
+    registered for ``settle_s`` (kopf pauses its handlers by the same rule). With peering
+    ``required``, a missing peering object pauses this replica, as it pauses kopf.
+
+    Also watches this replica's own keep-alive (kopf's, written every lifetime minus 5-10 s):
+    :meth:`heartbeat_problem` names a record that a readable peering object has not held alive
+    for longer than a grace period.
     """
 
     def __init__(
@@ -117,16 +131,22 @@ class PeeringGate:
         identity: str,
         priority: int,
         settle_s: float = 3.0,
+        required: bool = False,
     ) -> None:
         self.client, self.name, self.namespace = client, name, namespace
         self.identity, self.priority = identity, priority
         # A newcomer waits this long after registering before it acts, so that an older active replica
         # (which re-reads the peering object every check) has paused: never two active at once.
         self.settle_s = settle_s
+        self.required = required
         self.timeout_s = 3.0
         self._registered_s: float | None = None
         self.active = True
         self.reason = "standalone"
+        # Keep-alive bookkeeping (monotonic seconds): when the own record was last seen alive, or
+        # when the first readable peering object was (so that kopf has a grace period to register).
+        self.own_alive_s: float | None = None
+        self.object_found = False  # the latest refresh read the peering object
 
     def _path(self) -> str:
         if self.namespace is None:
@@ -134,9 +154,13 @@ class PeeringGate:
         return f"/apis/kopf.dev/v1/namespaces/{self.namespace}/kopfpeerings/{self.name}"
 
     async def refresh(self) -> bool:
+        self.object_found = False
         try:
             body = await self.client._request("GET", self._path(), timeout=self.timeout_s)
         except KubeError as error:
+            if error.status == 404 and self.required:
+                self.active, self.reason = False, f"peering required but {self._path()} is missing: paused, as kopf is"
+                return False
             if error.status == 404:
                 self.active, self.reason = True, "no peering object: standalone"
                 return True
@@ -146,21 +170,18 @@ class PeeringGate:
             # Not knowing whether another replica is active, this one must not act.
             self.active, self.reason = False, f"peering object unreadable ({type(error).__name__}): paused to be safe"
             return False
+        self.object_found = True
         now = datetime.datetime.now(datetime.UTC)
+        peers = body.get("status") or {}
         rivals = []
-        for peer_id, info in (body.get("status") or {}).items():
+        for peer_id, info in peers.items():
             if peer_id == self.identity or not isinstance(info, Mapping):
                 continue
-            try:
-                lastseen = datetime.datetime.fromisoformat(str(info.get("lastseen")))
-                if lastseen.tzinfo is None:
-                    lastseen = lastseen.replace(tzinfo=datetime.UTC)
-                alive = lastseen + datetime.timedelta(seconds=int(info.get("lifetime", 60))) > now
-            except (TypeError, ValueError):
-                continue
-            if alive and int(info.get("priority", 0)) >= self.priority:
+            if _peer_alive(info, now) and int(info.get("priority", 0)) >= self.priority:
                 rivals.append(f"{peer_id} (priority {info.get('priority')})")
-        peers = body.get("status") or {}
+        own = peers.get(self.identity)
+        if self.own_alive_s is None or (isinstance(own, Mapping) and _peer_alive(own, now)):
+            self.own_alive_s = time.monotonic()
         if self.identity not in peers:
             self.active, self.reason = False, "waiting for kopf to register this replica in the peering object"
             return False
@@ -175,6 +196,28 @@ class PeeringGate:
         else:
             self.reason = "active"
         return self.active
+
+    def heartbeat_problem(self, now_s: float, grace_s: float) -> str | None:
+        """Why this replica's keep-alive is missing, or None: its record has not been alive in the readable peering
+        object for ``grace_s`` (monotonic ``now_s``). An unreadable or absent object says nothing about this
+        replica and is no problem here."""
+        if not self.object_found or self.own_alive_s is None:
+            return None
+        silent_s = now_s - self.own_alive_s
+        if silent_s <= grace_s:
+            return None
+        return f"this replica's record in {self._path()} not alive for {silent_s:.0f} s (limit {grace_s:g} s)"
+
+
+def _peer_alive(info: Mapping[str, Any], now: datetime.datetime) -> bool:
+    """kopf's rule: a peer is alive until ``lastseen + lifetime``; a record it cannot parse is dead."""
+    try:
+        lastseen = datetime.datetime.fromisoformat(str(info.get("lastseen")))
+        if lastseen.tzinfo is None:
+            lastseen = lastseen.replace(tzinfo=datetime.UTC)
+        return lastseen + datetime.timedelta(seconds=int(info.get("lifetime", 60))) > now
+    except (TypeError, ValueError):
+        return False
 
 
 class OperatorApp:
@@ -227,10 +270,13 @@ class OperatorApp:
             identity=self.identity,
             priority=self.priority,
             settle_s=max(2.0 * options.peering_check_s, 1.0) + 1.0,
+            required=options.peering == "required",
         )
         self.seen_versions: dict[str, str] = {}  # profile key -> resourceVersion the watch delivered
         self.watch_suspects: dict[str, str] = {}
-        self.watch_stuck: str | None = None
+        self.watch_stuck: str | None = None  # only ever set while this replica is active
+        self._last_watch_check_s = time.monotonic()
+        self._watch_paused = False  # paused by peering at the latest watch step
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.registry = kopf.OperatorRegistry()
@@ -347,47 +393,83 @@ class OperatorApp:
                 raise kopf.PermanentError(f"observation loop stuck: {why}")
             if self.watch_stuck:
                 raise kopf.PermanentError(f"BatchProfile watch stuck: {self.watch_stuck}")
-            return why
+            if options.peering != "off":
+                # Two lifetimes without a keep-alive landing: one for the record to expire, one more to be sure.
+                problem = self.gate.heartbeat_problem(time.monotonic(), grace_s=float(options.peering_lifetime_s))
+                if problem:
+                    raise kopf.PermanentError(f"peering keep-alive missing: {problem}")
+            return why if self.gate.active else f"standby ({self.gate.reason}); {why}"
 
     # ---- the loop ---------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        last_watch_check = time.monotonic()
         last_gate_check = -math.inf
         while not self._stop.is_set():
             try:
+                # 1. Peering: is this replica the active one?
                 if self.options.peering != "off" and time.monotonic() - last_gate_check >= self.options.peering_check_s:
                     last_gate_check = time.monotonic()
                     await self.gate.refresh()
+                # 2. The tick, or (paused) only the proof that the loop still iterates.
                 if self.gate.active:
                     await self.controller.tick()
                 else:
                     log.debug("inactive: %s", self.gate.reason)
-                    self.controller.last_tick_finished_s = time.monotonic()  # a paused replica is not stuck
-                if time.monotonic() - last_watch_check >= self.options.watch_check_s:
-                    last_watch_check = time.monotonic()
-                    await self._check_watch()
+                    self.controller.last_tick_finished_s = time.monotonic()
+                # 3. The watch check, on the active replica only.
+                await self._watch_step()
             except Exception:
                 log.exception("operator loop iteration failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.options.tick_s)
 
+    async def _watch_step(self) -> None:
+        """Check the watch every ``watch_check_s`` while active. While paused by peering, kopf has closed its
+        watches: forget every suspicion, and restart the period, so that the first check after resuming comes a
+        full period later (kopf re-lists meanwhile) and a verdict needs two more."""
+        now_s = time.monotonic()
+        due = now_s - self._last_watch_check_s >= self.options.watch_check_s
+        if not self.gate.active:
+            if self.watch_stuck:
+                log.info("paused by peering: the BatchProfile watch is kopf's to resume, not stuck")
+            self.watch_suspects, self.watch_stuck = {}, None
+            self._watch_paused = True
+            if due:
+                self.metrics.watch_checks.labels("standby").inc()
+                self._last_watch_check_s = now_s
+        elif self._watch_paused:
+            self._watch_paused = False
+            self._last_watch_check_s = now_s
+        elif due:
+            self._last_watch_check_s = now_s
+            await self._check_watch()
+
     async def _check_watch(self) -> None:
         """Compare the API's resourceVersions with the watch's; a gap that lasts two checks is a dead watch."""
         listed: dict[str, str] = {}
         namespaces: list[str | None] = list(self.options.namespaces) or [None]
-        for namespace in namespaces:
-            for item in await self.kube.list_profiles(namespace):
-                meta = item.get("metadata") or {}
-                listed[f"{meta.get('namespace')}/{meta.get('name')}"] = str(meta.get("resourceVersion"))
+        try:
+            for namespace in namespaces:
+                for item in await self.kube.list_profiles(namespace):
+                    meta = item.get("metadata") or {}
+                    listed[f"{meta.get('namespace')}/{meta.get('name')}"] = str(meta.get("resourceVersion"))
+        except (KubeError, httpx.HTTPError):
+            self.metrics.watch_checks.labels("error").inc()
+            raise
         behind = {k: v for k, v in listed.items() if self.seen_versions.get(k) != v}
         persistent = {k: v for k, v in behind.items() if self.watch_suspects.get(k) == v}
         self.watch_suspects = behind
+        was_stuck = self.watch_stuck
         self.watch_stuck = (
             f"{len(persistent)} profile(s) changed without a watch event, e.g. {next(iter(persistent))}"
             if persistent
             else None
         )
+        self.metrics.watch_checks.labels("stuck" if persistent else "behind" if behind else "in_sync").inc()
+        if self.watch_stuck and not was_stuck:
+            log.warning("BatchProfile watch stuck: %s; liveness fails until it catches up", self.watch_stuck)
+        elif was_stuck and not self.watch_stuck:
+            log.info("BatchProfile watch caught up")
 
     async def aclose(self) -> None:
         self._stop.set()

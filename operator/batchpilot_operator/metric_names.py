@@ -60,6 +60,7 @@ WINDOW_HARD_CAP = "batchpilot_operator_window_hard_cap"
 WINDOW_MAX_WAIT_SECONDS = "batchpilot_operator_window_max_wait_seconds"
 WINDOW_GENERATION = "batchpilot_operator_window_generation"
 WINDOW_MAX_PREFILL_TOKENS = "batchpilot_operator_window_max_prefill_tokens"
+WATCH_CHECKS_TOTAL = "batchpilot_operator_watch_checks_total"
 
 OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -117,6 +118,13 @@ OPERATOR_METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "maxPrefillTokens of the window in force (0 = unset: the pods' own budget).",
         PROFILE_LABELS,
+    ),
+    MetricSpec(
+        WATCH_CHECKS_TOTAL,
+        "counter",
+        "Checks of the BatchProfile watch against a fresh list, by outcome (in_sync, behind: a gap seen once, "
+        "stuck: the same gap twice, error: the list failed, standby: skipped while peering pauses this replica).",
+        (LABEL_OUTCOME,),
     ),
 )
 

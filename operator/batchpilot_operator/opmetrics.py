@@ -90,6 +90,12 @@ class OperatorMetrics:
             _labels(om.WINDOW_MAX_PREFILL_TOKENS),
             registry=r,
         )
+        self.watch_checks = Counter(
+            om.WATCH_CHECKS_TOTAL.removesuffix("_total"),
+            _help(om.WATCH_CHECKS_TOTAL),
+            _labels(om.WATCH_CHECKS_TOTAL),
+            registry=r,
+        )
         self._per_profile: tuple[Counter | Gauge, ...] = (
             self.profile_pods,
             self.profile_condition,

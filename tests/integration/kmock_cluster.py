@@ -15,7 +15,7 @@ What kmock 0.8's ``KubernetesEmulator`` lacks and this adds:
 - discovery for the resources kopf, kubectl and the operator use (BatchProfiles,
   pods, events, secrets, namespaces, CRDs, kopf peerings);
 - helpers to create pods with IPs and flip their readiness, and to inject
-  failures (one-shot 409s on status patches).
+  failures (one-shot 409s on status patches, watch streams that go silent).
 
 Watches stream whatever kmock streams (existing objects, then the event bus);
 ``timeoutSeconds`` is ignored, so kopf's client-side watch timeouts apply.
@@ -54,6 +54,9 @@ class KubeCluster(kmock.KubernetesEmulator):
     _status_subresources: set[Any] = attrs.field(factory=set, init=False)
     fail_status_patches: int = attrs.field(default=0, init=False)  # answer this many status patches with 409
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+    # Per resource: how many times its open watch streams were silenced, and how many streams were opened.
+    _watch_silencings: dict[Any, int] = attrs.field(factory=dict, init=False)
+    watches_opened: dict[Any, int] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -161,6 +164,15 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return await super()._handle(request)
         return await super()._handle(request)
 
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        resource = request.resource
+        self.watches_opened[resource] = self.watches_opened.get(resource, 0) + 1
+        silencings = self._watch_silencings.get(resource, 0)
+        async for payload in super()._serve_watch(request):
+            if self._watch_silencings.get(resource, 0) != silencings:
+                await asyncio.Event().wait()  # silenced: the connection stays open, nothing more is sent
+            yield payload
+
     async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
         # kmock repeats a resource's short names on its subresources, which kubectl then warns about.
         payload = await super()._serve_version(request)
@@ -210,6 +222,16 @@ class KubeCluster(kmock.KubernetesEmulator):
         if key in self.objects and not self.objects[key].deleted:
             return dict(self.objects[key].raw)
         return None
+
+    def silence_watches(self, resource: str) -> None:
+        """Every watch stream of ``resource`` open now stops sending and keeps its connection open, as a stream
+        that a proxy or a dead API server replica drops silently. Streams opened later are served normally."""
+        key = kmock.resource(resource)
+        self._watch_silencings[key] = self._watch_silencings.get(key, 0) + 1
+
+    def watch_count(self, resource: str) -> int:
+        """Watch streams of ``resource`` opened so far (a reconnect opens a new one)."""
+        return self.watches_opened.get(kmock.resource(resource), 0)
 
     def events_for(self, namespace: str, name: str) -> list[dict[str, Any]]:
         return [e for e in self.objects_of(EVENTS, namespace) if (e.get("involvedObject") or {}).get("name") == name]
@@ -295,9 +317,21 @@ async def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: floa
 
 
 class OperatorProcess:
-    """``batchpilot-operator run`` against the emulator, with its log in a file."""
+    """``batchpilot-operator run`` against the emulator, with its log in a file.
 
-    def __init__(self, workdir: Path, server_url: str, *args: str, name: str = "operator") -> None:
+    ``args`` are the command's flags; ``options`` instead sets :class:`RunOptions` fields by name, for those
+    the command does not expose (see ``operator_options.py``).
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        server_url: str,
+        *args: str,
+        name: str = "operator",
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        import json
         import os
         import subprocess
         import sys
@@ -307,11 +341,19 @@ class OperatorProcess:
         self.liveness_port = free_port()
         self.metrics_port = free_port()
         self.log_path = workdir / f"{name}.log"
-        command = [
-            sys.executable, "-m", "batchpilot_operator.cli", "run", "--kubeconfig", str(self.kubeconfig),
-            "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz", "--metrics-port", str(self.metrics_port),
-            *args,
-        ]  # fmt: skip
+        liveness_url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        if options is None:
+            command = [
+                sys.executable, "-m", "batchpilot_operator.cli", "run", "--kubeconfig", str(self.kubeconfig),
+                "--liveness", liveness_url, "--metrics-port", str(self.metrics_port), *args,
+            ]  # fmt: skip
+        elif args:
+            raise ValueError("give the command's flags or RunOptions fields, not both")
+        else:
+            fields = {"kubeconfig": str(self.kubeconfig), "liveness": liveness_url,
+                      "metrics_port": self.metrics_port, **options}  # fmt: skip
+            runner = Path(__file__).with_name("operator_options.py")
+            command = [sys.executable, str(runner), json.dumps(fields)]
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTNAME": name}
@@ -327,10 +369,14 @@ class OperatorProcess:
             return (await client.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=20)).text
 
     async def liveness(self) -> int:
+        return (await self.liveness_response()).status_code
+
+    async def liveness_response(self) -> Any:
+        """The kopf health endpoint's answer (an ``httpx.Response``): 200 with the probes' results, or 500."""
         import httpx
 
         async with httpx.AsyncClient() as client:
-            return (await client.get(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=5)).status_code
+            return await client.get(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=5)
 
     def kill(self) -> None:
         """SIGKILL: a crashed replica, which leaves its peering record to expire."""
