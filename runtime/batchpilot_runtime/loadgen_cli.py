@@ -10,22 +10,9 @@ scaling used) is printed and, with --json, written to a file.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from batchpilot_runtime.cli_args import positive_float, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,17 +39,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     trace.add_argument("--trace", type=Path, help="CSV in the Azure trace format (default: the shared Azure trace)")
     timing = trace.add_mutually_exclusive_group()
     timing.add_argument(
-        "--time-scale", type=_positive_float, default=1.0, help="divide inter-arrival times by this (default 1)"
+        "--time-scale", type=positive_float, default=1.0, help="divide inter-arrival times by this (default 1)"
     )
-    timing.add_argument("--rate", type=_positive_float, help="mean arrival rate in requests/s (sets the time scale)")
-    trace.add_argument("--token-scale", type=_positive_float, default=1.0, help="multiply token counts (default 1)")
-    trace.add_argument("--max-prompt-tokens", type=_positive_int, help="clamp prompt lengths")
-    trace.add_argument("--max-output-tokens", type=_positive_int, help="clamp output lengths")
+    timing.add_argument("--rate", type=positive_float, help="mean arrival rate in requests/s (sets the time scale)")
+    trace.add_argument("--token-scale", type=positive_float, default=1.0, help="multiply token counts (default 1)")
+    trace.add_argument("--max-prompt-tokens", type=positive_int, help="clamp prompt lengths")
+    trace.add_argument("--max-output-tokens", type=positive_int, help="clamp output lengths")
     trace.add_argument("--start-s", type=float, default=0.0, help="start of the slice of the trace, in seconds")
-    trace.add_argument("--duration-s", type=_positive_float, help="length of the slice (original seconds)")
-    trace.add_argument("--limit", type=_positive_int, help="send only the first N requests of the slice")
+    trace.add_argument("--duration-s", type=positive_float, help="length of the slice (original seconds)")
+    trace.add_argument("--limit", type=positive_int, help="send only the first N requests of the slice")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthesized prompts and of sampling")
-    parser.add_argument("--timeout-s", type=_positive_float, default=600.0, help="per-request timeout")
+    parser.add_argument("--timeout-s", type=positive_float, default=600.0, help="per-request timeout")
     parser.add_argument("--json", type=Path, help="also write the summary to this file")
     parser.add_argument("--results", action="store_true", help="include every request's result in the JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (never shown off a terminal)")

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from batchpilot_runtime.cli_args import positive_int
 from batchpilot_runtime.watchdog import DEFAULT_STALL_TIMEOUT_S
 
 ENV_PREFIX = "BATCHPILOT_"
@@ -28,13 +29,6 @@ def _add(parser: argparse._ActionsContainer, flag: str, *, default: Any = None, 
     value = os.environ.get(variable, default)
     shown = "" if default is None else f" (default: {default})"
     parser.add_argument(flag, default=value, help=f"{help}{shown} [env {variable}]", **kwargs)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _port(text: str) -> int:
@@ -61,25 +55,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add(
         model,
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         help="torch intra-op threads on CPU (default: torch's choice; 1 when several runtimes share a small host)",
     )
     _add(
         model,
         "--kv-cache-tokens",
-        type=_positive_int,
+        type=positive_int,
         help="KV-cache capacity in tokens (default: 65536 on CPU, 85%% of free memory on CUDA)",
     )
     _add(
         model,
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         help="longest prompt + output of one request (default: the model's context length)",
     )
 
     window = parser.add_argument_group("batching window (the operator retunes these at run time)")
-    _add(window, "--target-batch-size", default=8, type=_positive_int, help="batch size admission waits for")
-    _add(window, "--hard-cap", default=16, type=_positive_int, help="most sequences running at once")
+    _add(window, "--target-batch-size", default=8, type=positive_int, help="batch size admission waits for")
+    _add(window, "--hard-cap", default=16, type=positive_int, help="most sequences running at once")
     _add(window, "--max-wait-ms", default=20, type=int, help="longest wait of the oldest request for the target")
     _add(window, "--tail-mark-ratio", default=2.0, type=float, help="tail-mark requests waiting this x P50 wait")
     _add(window, "--batching", default="continuous", choices=("continuous", "static"), help="batching mode")
@@ -87,13 +81,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         window,
         "--max-queue",
         default=1024,
-        type=_positive_int,
+        type=positive_int,
         help="waiting requests (all lanes) before new ones get 429",
     )
     _add(
         window,
         "--max-prefill-tokens",
-        type=_positive_int,
+        type=positive_int,
         help="prefill tokens per step (chunked prefill); unset = whole prompts",
     )
     lanes_default = os.environ.get(env_name("--lane"))

@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from batchpilot_runtime.loadgen_cli import _positive_float, _positive_int
+from batchpilot_runtime.cli_args import positive_float, positive_int
 from batchpilot_runtime.trace import TRACE_COLUMNS, TraceRequest
 
 # The shared data, where the project is checked out beside ../shared (as trace.SHARED_TRACE_PATH).
@@ -718,9 +718,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--day", type=int, help="0-based day (default: the day whose prompt lengths drift most)")
     parser.add_argument("--hours", type=_hours, default=(0.0, 24.0), help="span of the day, START-END (default 0-24)")
     rate = parser.add_mutually_exclusive_group()
-    rate.add_argument("--target-rate", type=_positive_float, help="mean requests/s of the replay (scales all rates)")
-    rate.add_argument("--rate-scale", type=_positive_float, default=1.0, help="multiply every client's rate")
-    parser.add_argument("--max-clients", type=_positive_int, help="keep only the N busiest clients of the span")
+    rate.add_argument("--target-rate", type=positive_float, help="mean requests/s of the replay (scales all rates)")
+    rate.add_argument("--rate-scale", type=positive_float, default=1.0, help="multiply every client's rate")
+    parser.add_argument("--max-clients", type=positive_int, help="keep only the N busiest clients of the span")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", type=Path, help="write the replay as an Azure-format CSV (--trace CSV)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
