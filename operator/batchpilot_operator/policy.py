@@ -149,7 +149,8 @@ DEFAULT_CONFIG = PolicyConfig()
 
 @dataclass(frozen=True)
 class PolicyState:
-    """What the policy remembers between intervals (kept in the operator's memo)."""
+    """What the policy remembers between intervals: in the operator's memory, and in the resource's
+    ``status.policy`` (:mod:`batchpilot_operator.policy_memo`) so that a restart continues."""
 
     last_change_s: float | None = None
     headroom_streak: int = 0
@@ -228,6 +229,15 @@ def _clamp_into_bounds(window: Window, bounds: WindowBounds) -> Window:
             ),
         }
     )
+
+
+def _lift_ceiling(ceiling: int | None, streak: int, needed: int, fraction: float, top: int) -> tuple[int | None, int]:
+    """A ceiling one step higher once ``streak`` calm intervals reach ``needed`` (the streak then
+    restarts); gone once it reaches ``top``. Returns the ceiling and the streak."""
+    if ceiling is None or streak < needed:
+        return ceiling, streak
+    lifted = math.floor(ceiling + allowed_step(ceiling, fraction, SIZE_MIN_STEP))
+    return (None if lifted >= top else lifted), 0
 
 
 def cap_ceiling(spec: BatchProfileSpec, estimate: FriendlinessEstimate | None, state: PolicyState) -> int:
@@ -492,13 +502,10 @@ def decide(
     pressure = _memory_pressure(obs, config)
     calm = pressure is None and not (known(obs.kv_usage_ratio) and obs.kv_usage_ratio >= config.kv_soft_ratio)
     calm_streak = state.calm_streak + 1 if calm else 0
-    kv_ceiling = state.kv_cap_ceiling
-    if kv_ceiling is not None and calm_streak >= config.kv_ceiling_calm_intervals:
-        # Memory has been calm for a while: let the cap climb one more step.
-        kv_ceiling = math.floor(kv_ceiling + allowed_step(kv_ceiling, fraction, SIZE_MIN_STEP))
-        calm_streak = 0
-        if kv_ceiling >= bounds.hard_cap.max:
-            kv_ceiling = None
+    # Memory calm for a while: the cap may climb one more step.
+    kv_ceiling, calm_streak = _lift_ceiling(
+        state.kv_cap_ceiling, calm_streak, config.kv_ceiling_calm_intervals, fraction, bounds.hard_cap.max
+    )
     over = ratio > 1.0
     itl_over = itl > 1.0
     # The zones of target and wait follow the first-token objective, or the gaps when it is the only one.
@@ -508,12 +515,13 @@ def decide(
     under_streak = state.under_streak + 1 if zone_ratio < config.wait_raise_ratio and not itl_over else 0
     # The same for the budget: a gap over its target sets a ceiling, lifted a step after calm.
     itl_calm_streak = state.itl_calm_streak + 1 if itl <= 1.0 else 0
-    budget_ceiling = state.budget_ceiling
-    if budget_ceiling is not None and itl_calm_streak >= config.budget_ceiling_calm_intervals:
-        budget_ceiling = math.floor(budget_ceiling + allowed_step(budget_ceiling, fraction, SIZE_MIN_STEP))
-        itl_calm_streak = 0
-        if budget_ceiling >= bounds.max_prefill_tokens.max:
-            budget_ceiling = None
+    budget_ceiling, itl_calm_streak = _lift_ceiling(
+        state.budget_ceiling,
+        itl_calm_streak,
+        config.budget_ceiling_calm_intervals,
+        fraction,
+        bounds.max_prefill_tokens.max,
+    )
     state = replace(
         state,
         calm_streak=calm_streak,
