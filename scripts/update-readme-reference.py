@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from batchpilot_operator.reference import BEGIN_MARKER, END_MARKER, render_reference
+from batchpilot_operator.api.reference import BEGIN_MARKER, END_MARKER, render_reference
 
 readme = Path(__file__).resolve().parents[1] / "README.md"
 text = readme.read_text()

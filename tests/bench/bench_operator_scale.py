@@ -32,10 +32,10 @@ from typing import Any
 
 import httpx
 
-from batchpilot_operator.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.promql import PrometheusSource
-from batchpilot_operator.push import AdminClient, AiohttpTransport
-from batchpilot_operator.status import apply_merge_patch
+from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
+from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.io.promql import PrometheusSource
+from batchpilot_operator.io.push import AdminClient, AiohttpTransport
 
 INTERVAL_S = 15.0
 

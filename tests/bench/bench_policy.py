@@ -1,7 +1,7 @@
 """Policy benchmark (issue 5): adaptive vs the best static window vs AIMD vs a large fixed window.
 
 All four run on the same trace, scaling and cost model, through the runtime's real scheduler
-(``batchpilot_operator.simulator``). ``best_static`` is found in hindsight by grid search over
+(``batchpilot_operator.sim.simulator``). ``best_static`` is found in hindsight by grid search over
 targetBatchSize in {1, 2, 4, ..., 256}, hardCap in {1x, 1.5x, 2x} the target and maxWaitMs in
 {0, 5, 10, 20, 50, 100, 200}: the window with the highest goodput whose P99 meets the SLO (the
 highest goodput overall, flagged, when none meets it).
@@ -42,9 +42,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from batchpilot_operator.profile import LatencyMetric
-from batchpilot_operator.sim_bounds import latency_floor_quantile_s, offered_tokens_per_s
-from batchpilot_operator.sim_runner import (
+from batchpilot_operator.api.profile import LatencyMetric
+from batchpilot_operator.cli.simulate import json_safe
+from batchpilot_operator.sim.bounds import latency_floor_quantile_s, offered_tokens_per_s
+from batchpilot_operator.sim.runner import (
     GRID_CAP_FACTORS,
     GRID_TARGETS,
     GRID_WAITS_MS,
@@ -58,10 +59,9 @@ from batchpilot_operator.sim_runner import (
     slice_requests,
     work_conserving_window,
 )
-from batchpilot_operator.simulate_cli import json_safe
-from batchpilot_runtime.cost_model import CostModel, load_cost_model
-from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceRequest, TraceScaling, read_trace, scale_trace
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import CostModel, load_cost_model
+from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH, TraceRequest, TraceScaling, read_trace, scale_trace
 
 # Load: issue 5 asks for a load at which the best static window is saturated at the trace's
 # peaks. x0.64 of the trace's arrival rate (real token counts, one A100 serving Llama-2-7B, the
@@ -177,7 +177,7 @@ def target_bounds(
     """Whether the two relative targets are reachable by any policy at all on this replay.
 
     The goodput ceiling is every offered output token served within the SLO; the P99 floor is
-    the P99 of each request's latency on an idle engine (``batchpilot_operator.sim_bounds``).
+    the P99 of each request's latency on an idle engine (``batchpilot_operator.sim.bounds``).
     A target above the ceiling, or below the floor, is out of reach whatever the window.
     """
     metric = LatencyMetric(spec.slo.latency_metric)

@@ -9,7 +9,7 @@ cost model at several arrival-rate scalings and records, at each, for:
 * ``large_fixed``: target 256, cap 256, wait 200 ms;
 
 goodput, P99, the share of waits over 1 s and the SLO-met share, beside the two bounds of
-``batchpilot_operator.sim_bounds``: the goodput ceiling (every offered token within the SLO)
+``batchpilot_operator.sim.bounds``: the goodput ceiling (every offered token within the SLO)
 and the P99 floor (each request alone on an idle engine). The grid search of ``bench_policy``
 is left out (it costs a minute per load); at x0.64 its best window is within 0.02 % of
 work-conserving admission in goodput and 0.5 % in P99.
@@ -31,18 +31,18 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from batchpilot_operator.profile import BatchProfileSpec, LatencyMetric
-from batchpilot_operator.sim_bounds import latency_floor_quantile_s, offered_tokens_per_s
-from batchpilot_operator.sim_runner import (
+from batchpilot_operator.api.profile import BatchProfileSpec, LatencyMetric
+from batchpilot_operator.cli.simulate import json_safe
+from batchpilot_operator.sim.bounds import latency_floor_quantile_s, offered_tokens_per_s
+from batchpilot_operator.sim.runner import (
     busiest_span,
     default_spec,
     load_profile_spec,
     run_policy,
     work_conserving_window,
 )
-from batchpilot_operator.simulate_cli import json_safe
-from batchpilot_runtime.cost_model import CostModel, load_cost_model
-from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceRequest, TraceScaling, read_trace, scale_trace
+from batchpilot_runtime.replay.cost_model import CostModel, load_cost_model
+from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH, TraceRequest, TraceScaling, read_trace, scale_trace
 
 DEFAULT_LOADS = (0.3, 0.4, 0.5, 0.55, 0.6, 0.62, 0.64, 0.66, 0.7)
 POLICIES = ("adaptive", "start_static", "work_conserving", "large_fixed")

@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchpilot_runtime.engine import Engine, GenerationRequest
-from batchpilot_runtime.kv_cache import PagedKVCache
-from batchpilot_runtime.model import ForwardBatch, LlamaModel, config_from_name, describe
-from batchpilot_runtime.scheduler import RequestTimings, Scheduler, SchedulerConfig, StepStats
-from batchpilot_runtime.tokenizer import ByteTokenizer
-from batchpilot_runtime.trace import (
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.engine.engine import Engine, GenerationRequest
+from batchpilot_runtime.model.kv_cache import PagedKVCache
+from batchpilot_runtime.model.model import ForwardBatch, LlamaModel, config_from_name, describe
+from batchpilot_runtime.model.tokenizer import ByteTokenizer
+from batchpilot_runtime.replay.trace import (
     DEFAULT_TRACE_PATH,
     TraceRequest,
     TraceScaling,
@@ -54,7 +54,7 @@ from batchpilot_runtime.trace import (
     scale_trace,
     time_scale_for_rate,
 )
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.scheduling.scheduler import RequestTimings, Scheduler, SchedulerConfig, StepStats
 
 SYSTEMS = ("continuous", "static", "sequential", "hf_static")
 BLOCK_SIZE = 16

@@ -15,8 +15,8 @@ import random
 import statistics
 import time
 
-from batchpilot_runtime.scheduler import SchedRequest, Scheduler, SchedulerConfig
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.scheduling.scheduler import SchedRequest, Scheduler, SchedulerConfig
 
 
 def measure_us_per_step(running: int, churn: bool, steps: int, seed: int = 0) -> float:

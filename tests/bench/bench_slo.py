@@ -2,7 +2,7 @@
 
 Headline: for each replay and SLO pair, the largest arrival-rate multiplier (bisection to 0.01,
 0.02 with ``--quick``) at which a policy keeps both P99s within the SLO over the whole replay
-(``batchpilot_operator.sim_slo``). Every replay runs through the runtime's real scheduler on the
+(``batchpilot_operator.sim.slo``). Every replay runs through the runtime's real scheduler on the
 A100 Llama-2-7B step costs (``a100-llama2-7b``).
 
 Policies:
@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchpilot_operator.sim_slo import (
+from batchpilot_operator.cli.simulate import json_safe
+from batchpilot_operator.sim.slo import (
     DualSLO,
     Outcome,
     bisect_capacity,
@@ -61,10 +62,9 @@ from batchpilot_operator.sim_slo import (
     evaluate,
     scaled_cost,
 )
-from batchpilot_operator.simulate_cli import json_safe
-from batchpilot_runtime.cost_model import A100_LLAMA2_7B, CostModel
-from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceRequest, read_trace
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B, CostModel
+from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH, TraceRequest, read_trace
 
 SLO_PAIRS = (DualSLO(1.0, 0.100), DualSLO(2.0, 0.050), DualSLO(0.5, 0.200))
 ENGINE_DEFAULTS = Window(target_batch_size=1, hard_cap=256, max_wait_ms=0, max_prefill_tokens=2048)
@@ -169,7 +169,7 @@ def run_job(job: Job) -> dict[str, Any]:
 
 def servegen_day(minutes: float, mean_rate_per_s: float, seed: int = 0) -> tuple[list[TraceRequest], dict[str, Any]]:
     """The drifting day of m-large, compressed: ``minutes / 4`` from the middle of each 6-hour window."""
-    from batchpilot_runtime import servegen
+    from batchpilot_runtime.replay import servegen
 
     data = servegen.load_servegen("m-large")
     day = servegen.drifting_day(data)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from batchpilot_runtime.device import pick_device
-from batchpilot_runtime.kv_cache import PagedKVCache
-from batchpilot_runtime.model import ForwardBatch, LlamaModel, config_from_name, describe
+from batchpilot_runtime.model.device import pick_device
+from batchpilot_runtime.model.kv_cache import PagedKVCache
+from batchpilot_runtime.model.model import ForwardBatch, LlamaModel, config_from_name, describe
 
 BLOCK = 16
 

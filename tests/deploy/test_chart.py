@@ -18,11 +18,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from batchpilot_operator import cli as operator_cli
-from batchpilot_operator.crd import custom_resource_definition
-from batchpilot_operator.profile import SLO, parse_manifest, parse_spec
-from batchpilot_runtime import cli as runtime_cli
-from batchpilot_runtime.window import WindowFields
+from batchpilot_operator.api.crd import custom_resource_definition
+from batchpilot_operator.api.profile import SLO, parse_manifest, parse_spec
+from batchpilot_operator.cli import main as operator_cli
+from batchpilot_runtime.cli import main as runtime_cli
+from batchpilot_runtime.contract.window import WindowFields
 from tests.support.crd_validation import validate_object
 
 from .tools import (

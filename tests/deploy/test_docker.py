@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchpilot_operator import cli as operator_cli
-from batchpilot_runtime import cli as runtime_cli
+from batchpilot_operator.cli import main as operator_cli
+from batchpilot_runtime.cli import main as runtime_cli
 
 from .tools import CHART, REPO
 
@@ -247,7 +247,7 @@ def test_install_steps_run_in_fresh_venvs(tmp_path: Path) -> None:
         operator,
         "python",
         "-c",
-        "import importlib.util, kopf, kubernetes, prometheus_api_client, batchpilot_operator.kopf_app;"
+        "import importlib.util, kopf, kubernetes, prometheus_api_client, batchpilot_operator.frontends.kopf_app;"
         "assert importlib.util.find_spec('torch') is None, 'torch in the operator image'",
     )
     runtime = venvs["runtime"]

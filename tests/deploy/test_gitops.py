@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from batchpilot_operator.crd import render_crd
+from batchpilot_operator.api.crd import render_crd
 
 from .tools import CHART, DEPLOY, KUBERNETES_VERSION, REPO, find, helm_template, kustomize, load_documents, one
 

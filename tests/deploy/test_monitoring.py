@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator import metric_names as operator_metrics
-from batchpilot_runtime import metric_names as runtime_metrics
+from batchpilot_operator.io import metric_names as operator_metrics
+from batchpilot_runtime.contract import metric_names as runtime_metrics
 
 from .promql_names import metric_names, substitute_grafana_variables
 from .tools import DEPLOY, promtool_path, run

@@ -1,4 +1,4 @@
-"""RBAC: the chart and the kustomize layouts grant exactly what batchpilot_operator.rbac declares.
+"""RBAC: the chart and the kustomize layouts grant exactly what batchpilot_operator.api.rbac declares.
 
 Every (apiGroup, resource, verb) the operator's code uses must be allowed, and nothing else may be:
 both directions are checked, per mode (cluster-wide or namespaced) and with or without peering.
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator import GROUP, rbac
+from batchpilot_operator import GROUP
+from batchpilot_operator.api import rbac
 
 from .tools import DEPLOY, REPO, find, helm_template, kustomize, one
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import ValidationError
 
-from batchpilot_runtime.admin_api import AdminError, PodCapacity, WindowState, WindowUpdate
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.admin_api import AdminError, PodCapacity, WindowState, WindowUpdate
+from batchpilot_runtime.contract.window import Window
 
 ROOT_POD = "_"
 
@@ -51,7 +51,7 @@ class FakePod:
 
 def render_metrics(model: str, latency_s: float, requests: int) -> str:
     """A runtime-like exposition: ``requests`` finished, every one with this TTFT."""
-    from batchpilot_runtime import metric_names as rm
+    from batchpilot_runtime.contract import metric_names as rm
 
     lines = [f"# TYPE {rm.TTFT_SECONDS} histogram"]
     for bound in (*rm.LATENCY_BUCKETS_S, float("inf")):
@@ -216,7 +216,7 @@ class FakePrometheusAnswers:
     """
 
     def __init__(self, models: int, namespace: str = "bench", slow_s: float = 2.0, fast_s: float = 0.05) -> None:
-        from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
+        from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 
         self.models, self.namespace = models, namespace
         self.queries = 0

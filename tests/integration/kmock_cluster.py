@@ -344,7 +344,7 @@ class OperatorProcess:
         liveness_url = f"http://127.0.0.1:{self.liveness_port}/healthz"
         if options is None:
             command = [
-                sys.executable, "-m", "batchpilot_operator.cli", "run", "--kubeconfig", str(self.kubeconfig),
+                sys.executable, "-m", "batchpilot_operator.cli.main", "run", "--kubeconfig", str(self.kubeconfig),
                 "--liveness", liveness_url, "--metrics-port", str(self.metrics_port), *args,
             ]  # fmt: skip
         elif args:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchpilot_operator.kopf_app import OperatorApp, RunOptions
+from batchpilot_operator.frontends.kopf_app import OperatorApp, RunOptions
 
 PATH_FIELDS = {f.name for f in dataclasses.fields(RunOptions) if "Path" in str(f.type)}
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.server.config import ServeConfig
 from batchpilot_runtime.server.ready import RuntimeInfo
-from batchpilot_runtime.window import Window
 
 if TYPE_CHECKING:
     from batchpilot_runtime.server.runtime import RuntimeThread
@@ -126,7 +126,7 @@ def start_runtime_process(
     command = [
         sys.executable,
         "-m",
-        "batchpilot_runtime.cli",
+        "batchpilot_runtime.cli.main",
         "serve",
         "--model-name",
         model_name,

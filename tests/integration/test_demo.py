@@ -23,7 +23,7 @@ DEMO_TIMEOUT_S = 600
 def run_demo(out_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "BATCHPILOT_DEMO_DURATION"}
     return subprocess.run(
-        [sys.executable, "-m", "batchpilot_operator.cli", "demo", "--out", str(out_dir), "--no-live", *extra],
+        [sys.executable, "-m", "batchpilot_operator.cli.main", "demo", "--out", str(out_dir), "--no-live", *extra],
         capture_output=True,
         text=True,
         timeout=DEMO_TIMEOUT_S,

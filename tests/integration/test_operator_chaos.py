@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator.controller import Controller, PodRecord, Settings
-from batchpilot_operator.local import LocalSink
-from batchpilot_operator.push import AdminClient
-from batchpilot_operator.scrape import ScrapeSource
+from batchpilot_operator.control.controller import Controller, PodRecord, Settings
+from batchpilot_operator.frontends.local import LocalSink
+from batchpilot_operator.io.push import AdminClient
+from batchpilot_operator.io.scrape import ScrapeSource
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod, ipv6_loopback_available
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer
 from tests.integration.kmock_cluster import wait_for
@@ -80,7 +80,7 @@ async def test_a_bad_pod_fails_its_own_profile_and_never_the_healthy_one(tmp_pat
         profiles.write_text(yaml.safe_dump_all([profile("a"), profile("b")]))
         status_file = tmp_path / "status.json"
         log_path = tmp_path / "local.log"
-        command = [sys.executable, "-m", "batchpilot_operator.cli", "local", "--profiles", str(profiles),
+        command = [sys.executable, "-m", "batchpilot_operator.cli.main", "local", "--profiles", str(profiles),
                    "--interval", "1", "--push-timeout", "0.5", "--query-timeout", "0.5",
                    "--status-file", str(status_file), "--duration", "250",
                    "--runtime", f"model=a,url={fake.url}/pods/0,admin={fake.admin_url(0)},name=a-0",

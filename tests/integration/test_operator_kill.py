@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 import pytest
 
-from batchpilot_runtime import metric_names as rm
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract import metric_names as rm
+from batchpilot_runtime.contract.window import Window
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, FakePod
 from tests.integration.kmock_cluster import (
     PROFILES,

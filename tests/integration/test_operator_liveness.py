@@ -12,8 +12,8 @@ import httpx
 import kopf
 import pytest
 
-from batchpilot_operator.kopf_app import OperatorApp, RunOptions
-from batchpilot_operator.kube import KubeConfig
+from batchpilot_operator.frontends.kopf_app import OperatorApp, RunOptions
+from batchpilot_operator.io.kube import KubeConfig
 from tests.integration.kmock_cluster import PROFILES, OperatorProcess, profile_body, running_cluster, wait_for
 
 SPEC = {

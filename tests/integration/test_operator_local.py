@@ -50,7 +50,7 @@ async def test_local_mode_scrapes_decides_pushes_and_prints(tmp_path: Path) -> N
             f"model=chat,url={fake.url}/pods/{i},admin={fake.admin_url(i)},token-file={token_file},name=chat-{i}"
             for i in range(2)
         ]
-        command = [sys.executable, "-m", "batchpilot_operator.cli", "local", "--profiles", str(profiles),
+        command = [sys.executable, "-m", "batchpilot_operator.cli.main", "local", "--profiles", str(profiles),
                    "--interval", "1", "--status-file", str(status_file), "--duration", "60"]  # fmt: skip
         for runtime in runtimes:
             command += ["--runtime", runtime]
@@ -84,7 +84,7 @@ def test_bad_runtime_flag_names_the_key(tmp_path: Path) -> None:
     profiles = tmp_path / "p.yaml"
     write_profile(profiles)
     result = subprocess.run(
-        [sys.executable, "-m", "batchpilot_operator.cli", "local", "--profiles", str(profiles),
+        [sys.executable, "-m", "batchpilot_operator.cli.main", "local", "--profiles", str(profiles),
          "--runtime", "model=chat,url=http://x,admn=http://y"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

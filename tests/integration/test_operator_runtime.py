@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from batchpilot_runtime.loadgen import Endpoint, run_load
-from batchpilot_runtime.trace import TraceRequest
+from batchpilot_runtime.replay.loadgen import Endpoint, run_load
+from batchpilot_runtime.replay.trace import TraceRequest
 from tests.integration.kmock_cluster import (
     PROFILES,
     KubeCluster,
@@ -135,8 +135,8 @@ async def measure_capacity(endpoints: list[Endpoint]) -> float:
 # emulated API server and the polling of its status, and so the counting of the operator's decisions.
 STEP_LOAD_SCRIPT = """
 import asyncio, sys
-from batchpilot_runtime.loadgen import Endpoint, run_load
-from batchpilot_runtime.trace import TraceRequest
+from batchpilot_runtime.replay.loadgen import Endpoint, run_load
+from batchpilot_runtime.replay.trace import TraceRequest
 
 async def main(model, clients, rate, count, prompt, output, *urls):
     endpoints = [Endpoint(url, model) for url in urls]

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchpilot_runtime import metric_names as mn
-from batchpilot_runtime.admin_api import AdminError, WindowState
+from batchpilot_runtime.contract import metric_names as mn
+from batchpilot_runtime.contract.admin_api import AdminError, WindowState
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from batchpilot_runtime.admin_api import AdminError, WindowState, WindowUpdate
+from batchpilot_runtime.contract.admin_api import AdminError, WindowState, WindowUpdate
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
 
 INT64_MAX = 2**63 - 1

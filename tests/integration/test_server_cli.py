@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.cli import build_parser, main
-from batchpilot_runtime.serve_cli import config_from_args, env_name
+from batchpilot_runtime.cli.main import build_parser, main
+from batchpilot_runtime.cli.serve import config_from_args, env_name
+from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.server.config import parse_lane
 from batchpilot_runtime.server.runtime import load_admin_token
-from batchpilot_runtime.window import Window
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from batchpilot_runtime.admin_api import LANE_HEADER
+from batchpilot_runtime.contract.admin_api import LANE_HEADER
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
 
 FIELDS = (

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.cli import main
-from batchpilot_runtime.loadgen import Endpoint, run_load
-from batchpilot_runtime.trace import DEFAULT_TRACE_PATH, TraceScaling, read_trace, scale_trace, time_scale_for_rate
+from batchpilot_runtime.cli.main import main
+from batchpilot_runtime.replay.loadgen import Endpoint, run_load
+from batchpilot_runtime.replay.trace import (
+    DEFAULT_TRACE_PATH,
+    TraceScaling,
+    read_trace,
+    scale_trace,
+    time_scale_for_rate,
+)
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
 
 

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from batchpilot_runtime import metric_names as mn
-from batchpilot_runtime.admin_api import LaneWindow
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract import metric_names as mn
+from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.window import Window
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
 
 REQUESTS = 32

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchpilot_runtime import metric_names as mn
-from batchpilot_runtime.admin_api import LANE_HEADER, LaneWindow
+from batchpilot_runtime.contract import metric_names as mn
+from batchpilot_runtime.contract.admin_api import LANE_HEADER, LaneWindow
+from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.server.text import StopStringDetector
-from batchpilot_runtime.window import Window
 from tests.integration.runtime_process import ThreadRuntime, parse_sse, runtime_thread, wait_until
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchpilot_runtime import metric_names as mn
+from batchpilot_runtime.contract import metric_names as mn
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread, wait_until
 
 STALL_TIMEOUT_S = 0.5

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator import cli as operator_cli
-from batchpilot_operator.crd import render_crd
-from batchpilot_runtime import cli as runtime_cli
+from batchpilot_operator.api.crd import render_crd
+from batchpilot_operator.cli import main as operator_cli
+from batchpilot_runtime.cli import main as runtime_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_validate_reports_unreadable_yaml_without_traceback(tmp_path: Path) -> N
     bad = tmp_path / "broken.yaml"
     bad.write_text("spec: [unclosed\n")
     result = subprocess.run(
-        [sys.executable, "-m", "batchpilot_operator.cli", "validate", str(bad)],
+        [sys.executable, "-m", "batchpilot_operator.cli.main", "validate", str(bad)],
         capture_output=True,
         text=True,
         check=False,
@@ -83,7 +83,7 @@ def test_runtime_metrics_lists_the_contract(capsys) -> None:  # type: ignore[no-
 
 
 def test_a_feature_without_its_extra_names_the_extra_to_install() -> None:
-    from batchpilot_operator.extras import MissingExtraError, require_extra
+    from batchpilot_operator.cli.extras import MissingExtraError, require_extra
 
     with pytest.raises(MissingExtraError, match=r"pip install 'batchpilot\[report\]'") as caught:
         require_extra("batchpilot_no_such_module", "report", "simulate --plot")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.cost_model import (
+from batchpilot_runtime.replay.cost_model import (
     A100_LLAMA2_7B,
     PROFILES,
     UNIT,
@@ -17,7 +17,7 @@ from batchpilot_runtime.cost_model import (
     fit_cost_model,
     load_cost_model,
 )
-from batchpilot_runtime.scheduler import ScheduledSeq
+from batchpilot_runtime.scheduling.scheduler import ScheduledSeq
 
 
 def test_step_seconds_is_the_linear_sum() -> None:
@@ -105,7 +105,7 @@ def test_bad_cost_files_name_the_field(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_calibrate_fits_the_real_engine_and_simulate_can_load_it(tmp_path: Path) -> None:
-    from batchpilot_runtime.cli import main
+    from batchpilot_runtime.cli.main import main
 
     out = tmp_path / "cpu.json"
     code = main(
@@ -137,7 +137,7 @@ def test_calibrate_fits_the_real_engine_and_simulate_can_load_it(tmp_path: Path)
 
 
 def test_calibrate_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
-    from batchpilot_runtime.cli import main
+    from batchpilot_runtime.cli.main import main
 
     assert main(["calibrate", "--batch-sizes", "0,2"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator.crd import custom_resource_definition, render_crd
+from batchpilot_operator.api.crd import custom_resource_definition, render_crd
 from tests.support.crd_validation import cel_errors, validate_object
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def test_every_rule_compiles_and_evaluates_on_a_valid_object() -> None:
 
 
 def test_pydantic_and_cel_agree_on_the_examples_and_the_bad_cases() -> None:
-    from batchpilot_operator.profile import ProfileError, parse_spec
+    from batchpilot_operator.api.profile import ProfileError, parse_spec
 
     bad = make_profile(window={"targetBatchSize": 16, "hardCap": 8, "maxWaitMs": 0})
     _, errors = validate_object(CRD, bad)

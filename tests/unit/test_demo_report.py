@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.controller import ProfileRecord, ProfileRef
+from batchpilot_operator.api.profile import parse_manifest
+from batchpilot_operator.control.controller import ProfileRecord, ProfileRef
 from batchpilot_operator.demo.children import threads_per_runtime
 from batchpilot_operator.demo.decisions import ParsedDecision, parse_decision_line
 from batchpilot_operator.demo.report import render_html, write_report
@@ -43,12 +44,11 @@ from batchpilot_operator.demo.settings import (
     plan_arrivals,
     warp_arrival,
 )
-from batchpilot_operator.local import print_decision
-from batchpilot_operator.policy import Decision, PolicyState
-from batchpilot_operator.profile import parse_manifest
-from batchpilot_runtime.loadgen import OUTCOMES, summarize
-from batchpilot_runtime.trace import TraceRequest
-from batchpilot_runtime.window import Window
+from batchpilot_operator.frontends.local import print_decision
+from batchpilot_operator.tuning.policy import Decision, PolicyState
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.loadgen import OUTCOMES, summarize
+from batchpilot_runtime.replay.trace import TraceRequest
 
 BOUNDS_S = [0.01, 0.05, 0.1, 0.5, 1.0]
 BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0]

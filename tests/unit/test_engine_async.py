@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import pytest
 import torch
 
-from batchpilot_runtime.admin_api import LaneWindow, WindowState, WindowUpdate
-from batchpilot_runtime.engine import (
+from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState, WindowUpdate
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.engine.engine import (
     AsyncEngine,
     Engine,
     EngineStoppedError,
@@ -22,8 +23,7 @@ from batchpilot_runtime.engine import (
     StaleGenerationError,
     TokenEvent,
 )
-from batchpilot_runtime.scheduler import RequestTimings, StepStats
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
 
 VOCAB = 320
 KV_TOKENS = 64 * 16  # 64 blocks: the largest hardCap this engine accepts

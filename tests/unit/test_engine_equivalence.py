@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from batchpilot_runtime.admin_api import WindowState
-from batchpilot_runtime.engine import Engine, GenerationRequest, TokenEvent
-from batchpilot_runtime.scheduler import RequestTimings, StepStats
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.admin_api import WindowState
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.engine.engine import Engine, GenerationRequest, TokenEvent
+from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from batchpilot_runtime.engine import AsyncEngine, Engine, GenerationRequest
-from batchpilot_runtime.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.engine.engine import AsyncEngine, Engine, GenerationRequest
+from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
 
 TIMEOUT_S = 60.0
 DEADLINE_S = 60.0  # real time allowed for the engine thread to reach a state; never asserted on

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.cli import main
+from batchpilot_runtime.cli.main import main
 
 
 def test_generate_prints_completions_and_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,7 +39,7 @@ BLOCKER = textwrap.dedent(
 OPERATOR_FORBIDDEN = "torch,transformers,fastapi,uvicorn,starlette,safetensors,matplotlib"
 RUNTIME_FORBIDDEN = "kopf,kubernetes,prometheus_api_client,kmock"
 CONTRACT_FORBIDDEN = "torch,fastapi,uvicorn,starlette,kopf,kubernetes"
-CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.window,batchpilot_runtime.admin_api,batchpilot_runtime.metric_names,batchpilot_runtime.trace"
+CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.contract.window,batchpilot_runtime.contract.admin_api,batchpilot_runtime.contract.metric_names,batchpilot_runtime.replay.trace"
 
 
 def _run(forbidden: str, targets: str, skip: str = "") -> subprocess.CompletedProcess[str]:

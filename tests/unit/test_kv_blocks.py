@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot_runtime.kv_blocks import BlockPool, KVBlockManager, blocks_for_tokens
+from batchpilot_runtime.scheduling.kv_blocks import BlockPool, KVBlockManager, blocks_for_tokens
 
 
 @pytest.mark.parametrize(

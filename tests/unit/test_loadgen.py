@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from batchpilot_runtime.loadgen import (
+from batchpilot_runtime.replay.loadgen import (
     Endpoint,
     LatencyStats,
     RequestResult,
@@ -16,7 +16,7 @@ from batchpilot_runtime.loadgen import (
     run_load,
     summarize,
 )
-from batchpilot_runtime.trace import TraceRequest, TraceScaling
+from batchpilot_runtime.replay.trace import TraceRequest, TraceScaling
 
 
 def make_trace(n: int, gap_s: float = 0.01, prompt: int = 5, output: int = 3) -> list[TraceRequest]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchpilot_runtime import metric_names as mn
-from batchpilot_runtime.admin_api import LaneWindow, PodCapacity, WindowState
-from batchpilot_runtime.scheduler import RequestTimings, StepStats
+from batchpilot_runtime.contract import metric_names as mn
+from batchpilot_runtime.contract.admin_api import LaneWindow, PodCapacity, WindowState
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.engine.watchdog import EngineHealth
+from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
 from batchpilot_runtime.server.metrics import MetricsExporter, normalize_outcome
-from batchpilot_runtime.watchdog import EngineHealth
-from batchpilot_runtime.window import Window
 
 
 def make_stats(**overrides: object) -> StepStats:

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.observe import INTER_TOKEN, MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
-from batchpilot_operator.push import AdminClient
-from batchpilot_operator.status import apply_merge_patch
-from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
+from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
+from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
+from batchpilot_operator.io.push import AdminClient
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from tests.integration.fake_admin import FakeAdminServer, closed_port_url
 
 

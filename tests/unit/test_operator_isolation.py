@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.controller import Controller, PodRecord, ProfileRecord, Settings, StatusFacts
-from batchpilot_operator.local import LocalSink
-from batchpilot_operator.push import AdminClient, PodTarget, PushResult
-from batchpilot_runtime.admin_api import LaneWindow
-from batchpilot_runtime.window import Window
+from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, Settings, StatusFacts
+from batchpilot_operator.frontends.local import LocalSink
+from batchpilot_operator.io.push import AdminClient, PodTarget, PushResult
+from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.window import Window
 from tests.integration.fake_admin import FakeAdminServer
 
 

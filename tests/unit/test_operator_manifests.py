@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator.kube import load_kube_config
-from batchpilot_operator.local import parse_runtime
-from batchpilot_operator.manifests import load_profiles
-from batchpilot_operator.status import (
+from batchpilot_operator.api.manifests import load_profiles
+from batchpilot_operator.control.status import (
     FALSE,
     TRUE,
     ConditionFact,
@@ -20,6 +18,8 @@ from batchpilot_operator.status import (
     build_status,
     merge_patch,
 )
+from batchpilot_operator.frontends.local import parse_runtime
+from batchpilot_operator.io.kube import load_kube_config
 
 GOOD = """apiVersion: batchpilot.dev/v1alpha1
 kind: BatchProfile

@@ -7,16 +7,16 @@ import re
 
 import pytest
 
-from batchpilot_operator import promql
-from batchpilot_operator.observe import (
+from batchpilot_operator.io import promql
+from batchpilot_operator.io.observe import (
     HistogramWindow,
     MetricsBuilder,
     histogram_from_buckets,
     lookup,
     to_observations,
 )
-from batchpilot_operator.scrape import Scrape, metrics_from_scrapes, parse_exposition
-from batchpilot_runtime import metric_names as rm
+from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes, parse_exposition
+from batchpilot_runtime.contract import metric_names as rm
 
 
 def hist(counts: dict[float, float]) -> HistogramWindow:

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from batchpilot_operator.local import parse_runtime
-from batchpilot_operator.observe import MetricsUnavailable
-from batchpilot_operator.outbound import BodyTooLarge, base_url, host_port, read_capped
-from batchpilot_operator.promql import PrometheusSource
-from batchpilot_operator.scrape import ScrapeSource
+from batchpilot_operator.frontends.local import parse_runtime
+from batchpilot_operator.io.observe import MetricsUnavailable
+from batchpilot_operator.io.outbound import BodyTooLarge, base_url, host_port, read_capped
+from batchpilot_operator.io.promql import PrometheusSource
+from batchpilot_operator.io.scrape import ScrapeSource
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod
 from tests.integration.fake_admin import FakeAdminServer
 from tests.integration.kmock_cluster import wait_for

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from batchpilot_operator.observe import MetricsUnavailable, lookup, to_observations
-from batchpilot_operator.promql import PrometheusSource
+from batchpilot_operator.io.observe import MetricsUnavailable, lookup, to_observations
+from batchpilot_operator.io.promql import PrometheusSource
 from tests.integration.fake_admin import closed_port_url
 
 

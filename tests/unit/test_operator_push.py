@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from batchpilot_operator.outbound import base_url
-from batchpilot_operator.push import (
+from batchpilot_operator.io.outbound import base_url
+from batchpilot_operator.io.push import (
     CONFLICT,
     ERROR,
     OK,
@@ -21,7 +21,7 @@ from batchpilot_operator.push import (
     PushFailed,
     clamp_to_capacity,
 )
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.window import Window
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod, ipv6_loopback_available
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, closed_port_url
 from tests.integration.kmock_cluster import wait_for
@@ -147,7 +147,7 @@ async def test_422_with_nothing_to_clamp_is_refused_without_retry(server: FakeAd
 
 
 def test_clamp_to_capacity_keeps_target_within_cap() -> None:
-    from batchpilot_runtime.admin_api import PodCapacity
+    from batchpilot_runtime.contract.admin_api import PodCapacity
 
     capacity = PodCapacity(kv_cache_tokens=1, kv_block_size=1, max_hard_cap=10, max_model_len=1)
     clamped = clamp_to_capacity(make_window(cap=32, target=16), capacity)

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from batchpilot_operator.observations import NAN, Observations, histogram_quantile, is_saturated
-from batchpilot_operator.policy import (
+from batchpilot_operator.api.profile import BatchProfileSpec, parse_spec
+from batchpilot_operator.tuning.observations import NAN, Observations, histogram_quantile, is_saturated
+from batchpilot_operator.tuning.policy import (
     DEFAULT_CONFIG,
     RATIO_MIN_STEP,
     SIZE_MIN_STEP,
@@ -19,9 +20,8 @@ from batchpilot_operator.policy import (
     allowed_step,
     decide,
 )
-from batchpilot_operator.profile import BatchProfileSpec, parse_spec
-from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
+from batchpilot_runtime.contract.window import Window
 
 
 def make_spec(**overrides: Any) -> BatchProfileSpec:

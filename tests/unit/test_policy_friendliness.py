@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from batchpilot_operator.friendliness import measure, merge_curve
-from batchpilot_operator.profile import Friendliness
-from batchpilot_runtime.cost_model import A100_LLAMA2_7B, StepComposition
+from batchpilot_operator.api.profile import Friendliness
+from batchpilot_operator.tuning.friendliness import measure, merge_curve
+from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B, StepComposition
 
 
 def test_a_linear_gain_has_no_knee_and_is_high() -> None:

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot_operator.policy import PolicyState
-from batchpilot_operator.policy_memo import SCHEMA_VERSION, carry_over, restore, to_status
-from batchpilot_operator.profile import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT, BatchProfileSpec, parse_spec
+from batchpilot_operator.api.profile import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT, BatchProfileSpec, parse_spec
+from batchpilot_operator.tuning.policy import PolicyState
+from batchpilot_operator.tuning.policy_memo import SCHEMA_VERSION, carry_over, restore, to_status
 
 NOW_S = 1_750_000_000.0
 

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from batchpilot_operator.observations import NAN, Observations
-from batchpilot_operator.policy import PolicyState, decide
-from batchpilot_operator.profile import BatchProfileSpec, parse_spec
-from batchpilot_runtime.window import Window
+from batchpilot_operator.api.profile import BatchProfileSpec, parse_spec
+from batchpilot_operator.tuning.observations import NAN, Observations
+from batchpilot_operator.tuning.policy import PolicyState, decide
+from batchpilot_runtime.contract.window import Window
 
 INTERVALS = 200
 INTERVAL_S = 15

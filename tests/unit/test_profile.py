@@ -4,7 +4,7 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator.profile import BatchProfileSpec, ProfileError, parse_manifest, parse_spec
+from batchpilot_operator.api.profile import BatchProfileSpec, ProfileError, parse_manifest, parse_spec
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
 

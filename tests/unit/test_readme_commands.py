@@ -63,11 +63,11 @@ def test_runnable_commands_succeed(command: str, tmp_path: Path) -> None:
 
 def _parse_with_real_parser(argv: list[str]) -> None:
     if argv[0] == "batchpilot-operator":
-        from batchpilot_operator.cli import build_parser
+        from batchpilot_operator.cli.main import build_parser
 
         build_parser().parse_args(argv[1:])
     elif argv[0] == "batchpilot-runtime":
-        from batchpilot_runtime.cli import build_parser as runtime_parser
+        from batchpilot_runtime.cli.main import build_parser as runtime_parser
 
         runtime_parser().parse_args(argv[1:])
     elif argv[0] == "make":

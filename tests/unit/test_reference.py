@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from batchpilot_operator.reference import BEGIN_MARKER, END_MARKER, render_reference
+from batchpilot_operator.api.reference import BEGIN_MARKER, END_MARKER, render_reference
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchpilot_runtime.sampling import SamplingParams, make_generator, sample, top_p_filter
+from batchpilot_runtime.model.sampling import SamplingParams, make_generator, sample, top_p_filter
 
 
 def make_logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

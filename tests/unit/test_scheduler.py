@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from batchpilot_runtime.admin_api import LaneWindow
-from batchpilot_runtime.scheduler import (
+from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.scheduling.scheduler import (
     QueueFullError,
     RequestOutput,
     RequestRejected,
@@ -18,7 +19,6 @@ from batchpilot_runtime.scheduler import (
     SeqStatus,
     StepPlan,
 )
-from batchpilot_runtime.window import Window
 
 # -- factories ---------------------------------------------------------------------------------
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot_runtime.admin_api import LaneWindow
-from batchpilot_runtime.scheduler import (
+from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.scheduling.scheduler import (
     QueueFullError,
     RequestOutput,
     RequestRejected,
@@ -21,7 +22,6 @@ from batchpilot_runtime.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from batchpilot_runtime.window import Window
 from tests.unit.test_scheduler import sampled_for
 
 STEP_S = 0.005

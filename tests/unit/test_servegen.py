@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchpilot_runtime import servegen as sg
-from batchpilot_runtime.trace import TraceRequest, read_trace
+from batchpilot_runtime.replay import servegen as sg
+from batchpilot_runtime.replay.trace import TraceRequest, read_trace
 
 WINDOWS_PER_DAY = 144
 UNIFORM_1000 = {t: 1 / 1000 for t in range(1, 1001)}

@@ -8,19 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot_operator.profile import LatencyMetric
-from batchpilot_operator.sim_bounds import (
+from batchpilot_operator.api.profile import LatencyMetric
+from batchpilot_operator.sim.bounds import (
     decode_floor_s,
     latency_floor_quantile_s,
     latency_floor_s,
     offered_tokens_per_s,
     prefill_floor_s,
 )
-from batchpilot_operator.sim_metrics import summarize
-from batchpilot_operator.simulator import SimConfig, Simulator, scheduler_config_for
-from batchpilot_runtime.cost_model import A100_LLAMA2_7B, UNIT, CostModel
-from batchpilot_runtime.trace import TraceRequest
-from batchpilot_runtime.window import Window
+from batchpilot_operator.sim.metrics import summarize
+from batchpilot_operator.sim.simulator import SimConfig, Simulator, scheduler_config_for
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B, UNIT, CostModel
+from batchpilot_runtime.replay.trace import TraceRequest
 
 METRICS = (LatencyMetric.TTFT, LatencyMetric.E2E, LatencyMetric.QUEUE_WAIT)
 

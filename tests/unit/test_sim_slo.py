@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot_operator.sim_slo import DualSLO, bisect_capacity, dual_slo_spec, evaluate, scale_arrivals, scaled_cost
-from batchpilot_runtime.cost_model import UNIT
-from batchpilot_runtime.trace import TraceRequest
-from batchpilot_runtime.window import Window
+from batchpilot_operator.sim.slo import DualSLO, bisect_capacity, dual_slo_spec, evaluate, scale_arrivals, scaled_cost
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import UNIT
+from batchpilot_runtime.replay.trace import TraceRequest
 
 WHOLE_PROMPTS = Window(target_batch_size=1, hard_cap=8, max_wait_ms=0)
 

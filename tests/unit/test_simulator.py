@@ -7,12 +7,11 @@ import math
 
 import pytest
 
-from batchpilot_operator.observations import Observations
-from batchpilot_operator.observe import INTER_TOKEN, MetricsBuilder, to_observations
-from batchpilot_operator.profile import LatencyMetric, parse_spec
-from batchpilot_operator.sim_controllers import AdaptiveController
-from batchpilot_operator.sim_metrics import exact_quantile, summarize
-from batchpilot_operator.simulator import (
+from batchpilot_operator.api.profile import LatencyMetric, parse_spec
+from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, to_observations
+from batchpilot_operator.sim.controllers import AdaptiveController
+from batchpilot_operator.sim.metrics import exact_quantile, summarize
+from batchpilot_operator.sim.simulator import (
     GAP_BIN_S,
     SimConfig,
     Simulator,
@@ -20,11 +19,12 @@ from batchpilot_operator.simulator import (
     interval_metrics,
     scheduler_config_for,
 )
-from batchpilot_runtime.cost_model import A100_LLAMA2_7B, UNIT
-from batchpilot_runtime.metric_names import LATENCY_BUCKETS_S
-from batchpilot_runtime.scheduler import Scheduler, SchedulerConfig
-from batchpilot_runtime.trace import TraceRequest
-from batchpilot_runtime.window import Window
+from batchpilot_operator.tuning.observations import Observations
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B, UNIT
+from batchpilot_runtime.replay.trace import TraceRequest
+from batchpilot_runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 
 
 def make_config(**overrides: object) -> SimConfig:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator.cli import main
+from batchpilot_operator.cli.main import main
 
 
 def write_trace(path: Path, n: int = 120) -> Path:

@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from batchpilot_operator.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.crd import custom_resource_definition
-from batchpilot_operator.kube import KubeClient, KubeConfig
-from batchpilot_operator.profile import ProfileError, parse_spec
-from batchpilot_operator.push import AdminClient
-from batchpilot_operator.status import apply_merge_patch
+from batchpilot_operator.api.crd import custom_resource_definition
+from batchpilot_operator.api.profile import ProfileError, parse_spec
+from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
+from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.io.kube import KubeClient, KubeConfig
+from batchpilot_operator.io.push import AdminClient
 from tests.integration.fake_admin import FakeAdminServer
 from tests.support.crd_validation import validate_object
 

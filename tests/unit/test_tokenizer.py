@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.tokenizer import ByteTokenizer, IncrementalDecoder, JsonTokenizer, load_tokenizer
+from batchpilot_runtime.model.tokenizer import ByteTokenizer, IncrementalDecoder, JsonTokenizer, load_tokenizer
 
 
 def test_bytes_round_trip_with_specials() -> None:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.trace import (
+from batchpilot_runtime.replay.trace import (
     BUNDLED_TRACE_PATH,
     DEFAULT_TRACE_PATH,
     SHARED_TRACE_PATH,

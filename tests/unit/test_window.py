@@ -3,8 +3,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from batchpilot_runtime.admin_api import WindowUpdate
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.admin_api import WindowUpdate
+from batchpilot_runtime.contract.window import Window
 
 
 def make_window(**overrides: object) -> Window:

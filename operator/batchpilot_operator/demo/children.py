@@ -197,7 +197,7 @@ def runtime_command(
     return [
         sys.executable,
         "-m",
-        "batchpilot_runtime.cli",
+        "batchpilot_runtime.cli.main",
         "serve",
         "--model-name",
         model,

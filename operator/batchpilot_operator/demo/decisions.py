@@ -1,6 +1,6 @@
 """Read the operator's decisions from what ``batchpilot-operator local`` prints.
 
-Local mode prints one line per decision (see ``batchpilot_operator.local.print_decision``); the
+Local mode prints one line per decision (see ``batchpilot_operator.frontends.local.print_decision``); the
 demo runs it with ``--output json``, one JSON object per line with the keys ``model``,
 ``direction``, ``reason`` and ``window`` (the window's wire form). The text form is read too::
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.window import Window
 
 DIRECTIONS = ("up", "down", "hold", "reset", "recommend")
 _LINE = re.compile(

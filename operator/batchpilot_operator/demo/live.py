@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from batchpilot_operator.demo.results import format_figure, round_figure
 from batchpilot_operator.demo.series import SLO_HISTOGRAMS, Snapshot, histogram_between, quantile_ms
-from batchpilot_runtime import metric_names as rm
+from batchpilot_runtime.contract import metric_names as rm
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

@@ -70,7 +70,7 @@ from batchpilot_operator.demo.settings import (
     demo_trace_path,
     plan_arrivals,
 )
-from batchpilot_runtime.loadgen import LoadSummary, RequestResult, run_load
+from batchpilot_runtime.replay.loadgen import LoadSummary, RequestResult, run_load
 
 _REJECTED = ("rejected_429", "rejected_503", "client_error")
 SETTLE_S = OPERATOR_INTERVAL_S + 2 * SCRAPE_INTERVAL_S
@@ -327,7 +327,7 @@ class Demo:
         argv = [
             sys.executable,
             "-m",
-            "batchpilot_operator.cli",
+            "batchpilot_operator.cli.main",
             "local",
             "--profiles",
             str(profiles),

@@ -26,8 +26,8 @@ from batchpilot_operator.demo.results import (
     WindowSnapshot,
     round_figure,
 )
-from batchpilot_operator.observations import histogram_quantile
-from batchpilot_runtime import metric_names as rm
+from batchpilot_operator.tuning.observations import histogram_quantile
+from batchpilot_runtime.contract import metric_names as rm
 
 # The SLO's latencyMetric -> the runtime histogram it reads (as the operator maps it).
 SLO_HISTOGRAMS: dict[str, str] = {

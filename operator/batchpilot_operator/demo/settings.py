@@ -28,8 +28,8 @@ from typing import Any
 
 from batchpilot_operator import API_VERSION, KIND
 from batchpilot_operator.demo.results import Mode
-from batchpilot_runtime.trace import TraceRequest, TraceScaling, read_trace, scale_trace
-from batchpilot_runtime.window import WindowFields
+from batchpilot_runtime.contract.window import WindowFields
+from batchpilot_runtime.replay.trace import TraceRequest, TraceScaling, read_trace, scale_trace
 
 DURATION_ENV = "BATCHPILOT_DEMO_DURATION"
 DEFAULT_DURATION_S = 180.0

@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.types import Receive, Scope, Send
 
-from batchpilot_runtime.admin_api import LANE_HEADER
-from batchpilot_runtime.engine import (
+from batchpilot_runtime.contract.admin_api import LANE_HEADER
+from batchpilot_runtime.engine.engine import (
     EngineStoppedError,
     GenerationRequest,
     QueueFullError,

@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from batchpilot_runtime.admin_api import LaneWindow
-from batchpilot_runtime.watchdog import DEFAULT_STALL_TIMEOUT_S
-from batchpilot_runtime.window import Window
+from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 
 # Flag names of the window fields, so that an error names what the user typed.
 _WINDOW_FLAG = {

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from batchpilot_runtime import metric_names as mn
-from batchpilot_runtime.admin_api import WindowState
+from batchpilot_runtime.contract import metric_names as mn
+from batchpilot_runtime.contract.admin_api import WindowState
 
 if TYPE_CHECKING:
-    from batchpilot_runtime.scheduler import RequestTimings, StepStats
-    from batchpilot_runtime.watchdog import EngineHealth
+    from batchpilot_runtime.engine.watchdog import EngineHealth
+    from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
 
 EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Finish reasons and engine outcomes that count as a completed request.

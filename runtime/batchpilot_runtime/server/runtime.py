@@ -86,7 +86,7 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
     """Build the engine (torch; slow) and wrap it for the async server. Runs in a worker thread."""
     import torch
 
-    from batchpilot_runtime.engine import AsyncEngine, Engine
+    from batchpilot_runtime.engine.engine import AsyncEngine, Engine
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)

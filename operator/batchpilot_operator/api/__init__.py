@@ -1,0 +1,1 @@
+"""The BatchProfile API: the resource's models, the generated CRD, its reference, RBAC and manifests."""

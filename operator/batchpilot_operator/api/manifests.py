@@ -1,0 +1,101 @@
+"""Read BatchProfiles from YAML files or folders (``validate`` and local mode).
+
+A file may hold several documents (``---``) and ``kind: List`` wrappers.
+Documents of other kinds are skipped, so that a folder of mixed manifests
+(a kustomization, a Deployment beside the profiles) can be pointed at as it is.
+Every BatchProfile comes back, valid or not: a bad one carries the error naming
+its fields instead of stopping the whole load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchpilot_operator import API_VERSION, GROUP, KIND
+from batchpilot_operator.api.profile import BatchProfileSpec, ProfileError, parse_manifest
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class LoadedProfile:
+    """One BatchProfile document: ``spec`` when it validates, ``error`` otherwise (never both)."""
+
+    source: str
+    namespace: str
+    name: str | None
+    spec: BatchProfileSpec | None = None
+    error: str | None = None
+    manifest: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _yaml_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in YAML_SUFFIXES)
+    if path.is_file():
+        return [path]
+    raise FileNotFoundError(f"no such file or folder: {path}")
+
+
+def _documents(document: Any) -> Iterator[Any]:
+    """Flatten ``kind: List`` wrappers (what ``kubectl get -o yaml`` writes)."""
+    if isinstance(document, dict) and document.get("kind") == "List" and isinstance(document.get("items"), list):
+        for item in document["items"]:
+            yield from _documents(item)
+    elif document is not None:
+        yield document
+
+
+def _is_batch_profile(document: Any) -> bool:
+    if not isinstance(document, dict):
+        return False
+    api_version = str(document.get("apiVersion") or "")
+    return document.get("kind") == KIND or api_version.split("/")[0] == GROUP
+
+
+def _load_document(source: str, document: dict[str, Any]) -> LoadedProfile:
+    metadata = document.get("metadata") if isinstance(document.get("metadata"), dict) else {}
+    raw_name = metadata.get("name") if metadata else None
+    name = raw_name if isinstance(raw_name, str) and raw_name else None
+    namespace = str((metadata or {}).get("namespace") or "default")
+    try:
+        namespace, parsed_name, spec = parse_manifest(document)
+    except ProfileError as error:
+        return LoadedProfile(source=source, namespace=namespace, name=name, error=str(error), manifest=document)
+    return LoadedProfile(source=source, namespace=namespace, name=parsed_name, spec=spec, manifest=document)
+
+
+def load_profiles(path: Path) -> list[LoadedProfile]:
+    """Every BatchProfile in ``path`` (a YAML file, or a folder searched recursively), in file order.
+
+    A file that is not valid YAML yields one entry with the parse error.
+    Raises FileNotFoundError when ``path`` does not exist.
+    """
+    loaded: list[LoadedProfile] = []
+    for file in _yaml_files(path):
+        source = str(file)
+        try:
+            documents = list(yaml.safe_load_all(file.read_text()))
+        except yaml.YAMLError as error:
+            loaded.append(LoadedProfile(source=source, namespace="default", name=None, error=f"invalid YAML: {error}"))
+            continue
+        for top in documents:
+            for document in _documents(top):
+                if not _is_batch_profile(document):
+                    continue
+                loaded.append(_load_document(source, document))
+    return loaded
+
+
+def profile_manifest(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A BatchProfile manifest as ``kubectl apply`` would take it (used by tests and the demo)."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace}, "spec": spec}

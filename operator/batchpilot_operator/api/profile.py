@@ -1,0 +1,614 @@
+"""The BatchProfile resource: spec and status models.
+
+These pydantic models are the single source of truth for the resource. The
+CRD's ``openAPIV3Schema`` (with its descriptions, defaults, bounds and CEL
+rules) is generated from them by :mod:`batchpilot_operator.api.crd`, and the
+operator parses every object it receives through them, so that a profile that
+slipped past the API server's validation is still refused with the field named.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
+
+from batchpilot_operator import API_VERSION, KIND
+from batchpilot_runtime.contract.window import (
+    MAX_BATCH_SIZE,
+    MAX_PREFILL_TOKENS_LIMIT,
+    MAX_WAIT_MS_LIMIT,
+    CamelModel,
+    Window,
+    WindowFields,
+)
+
+
+class Friendliness(StrEnum):
+    """How much a model gains from larger batches."""
+
+    HIGH = "high"
+    MEDIUM = "medium"
+    LOW = "low"
+    AUTO = "auto"
+
+
+class LatencyMetric(StrEnum):
+    TTFT = "ttft"
+    QUEUE_WAIT = "queueWait"
+    E2E = "e2e"
+
+
+class TuningMode(StrEnum):
+    ADAPTIVE = "adaptive"
+    RECOMMEND = "recommend"
+    STATIC = "static"
+
+
+def _cel(*rules: tuple[str, str]) -> ConfigDict:
+    """Model config that carries CEL rules, each ``(rule, message)``, into the generated CRD schema."""
+    return ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+    )
+
+
+class LabelSelectorRequirement(CamelModel):
+    key: str = Field(min_length=1, max_length=317, description="Label key the requirement applies to.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="How the key's value is matched against values.",
+    )
+    values: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Values for In and NotIn; empty for Exists and DoesNotExist.",
+    )
+
+
+class LabelSelector(CamelModel):
+    """A Kubernetes label selector (matchLabels and matchExpressions are ANDed)."""
+
+    match_labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels a pod must carry with exactly these values."
+    )
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=16, description="Set-based requirements on pod labels."
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> LabelSelector:
+        if not self.match_labels and not self.match_expressions:
+            raise ValueError("selector must have matchLabels or matchExpressions (an empty selector matches every pod)")
+        return self
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        """True when a pod with these labels is selected."""
+        for key, value in self.match_labels.items():
+            if labels.get(key) != value:
+                return False
+        for req in self.match_expressions:
+            present = req.key in labels
+            if req.operator == "In" and (not present or labels[req.key] not in req.values):
+                return False
+            if req.operator == "NotIn" and present and labels[req.key] in req.values:
+                return False
+            if req.operator == "Exists" and not present:
+                return False
+            if req.operator == "DoesNotExist" and present:
+                return False
+        return True
+
+
+class SLO(CamelModel):
+    """The latency objectives the operator keeps the window under: a first-token (or queue-wait,
+    or end-to-end) P99, an inter-token P99, or both at once."""
+
+    model_config = _cel(
+        (
+            "has(self.p99Ms) || has(self.interTokenP99Ms)",
+            "slo needs at least one objective: p99Ms or interTokenP99Ms",
+        ),
+        ("!has(self.p999Ms) || has(self.p99Ms)", "slo.p999Ms needs slo.p99Ms"),
+        (
+            "!has(self.p999Ms) || !has(self.p99Ms) || self.p999Ms >= self.p99Ms",
+            "slo.p999Ms must be greater than or equal to slo.p99Ms",
+        ),
+    )
+
+    latency_metric: LatencyMetric = Field(
+        default=LatencyMetric.TTFT,
+        description="Which latency p99Ms and p999Ms bound: ttft (time to first token), queueWait, or e2e (whole request).",
+    )
+    p99_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=3_600_000,
+        description="Target 99th-percentile latency in milliseconds (of latencyMetric).",
+    )
+    p999_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=3_600_000,
+        description="Optional target 99.9th-percentile latency in milliseconds; needs p99Ms.",
+    )
+    inter_token_p99_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=60_000,
+        description=(
+            "Target 99th-percentile inter-token latency in milliseconds (the gap between two streamed "
+            "tokens of one request), alone or together with p99Ms. With it the operator tunes "
+            "window.maxPrefillTokens, the lever that trades first tokens against inter-token gaps."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _objectives(self) -> SLO:
+        if self.p99_ms is None and self.inter_token_p99_ms is None:
+            raise ValueError("slo needs at least one objective: p99Ms or interTokenP99Ms")
+        if self.p999_ms is not None:
+            if self.p99_ms is None:
+                raise ValueError("slo.p999Ms needs slo.p99Ms")
+            if self.p999_ms < self.p99_ms:
+                raise ValueError(
+                    f"slo.p999Ms ({self.p999_ms:g}) must be greater than or equal to slo.p99Ms ({self.p99_ms:g})"
+                )
+        return self
+
+
+class _OrderedIntRange(CamelModel):
+    """A min..max pair of integers (the fields and their limits are the subclass's)."""
+
+    min: int
+    max: int
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _OrderedIntRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
+        return self
+
+    def clamp(self, value: int) -> int:
+        return max(self.min, min(self.max, value))
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+
+class IntRange(_OrderedIntRange):
+    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
+
+    min: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Lowest value the operator may set.")
+    max: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Highest value the operator may set.")
+
+
+class TokenRange(_OrderedIntRange):
+    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
+
+    min: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Lowest value the operator may set.")
+    max: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Highest value the operator may set.")
+
+
+class FloatRange(CamelModel):
+    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
+
+    min: float = Field(gt=1.0, le=100.0, description="Lowest value the operator may set.")
+    max: float = Field(gt=1.0, le=100.0, description="Highest value the operator may set.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FloatRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min:g}) must be less than or equal to max ({self.max:g})")
+        return self
+
+    def clamp(self, value: float) -> float:
+        return max(self.min, min(self.max, value))
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+
+def _int_range(lo: int, hi: int) -> IntRange:
+    return IntRange(min=lo, max=hi)
+
+
+class WindowBounds(CamelModel):
+    """How far the operator may move each field of the window."""
+
+    target_batch_size: IntRange = Field(
+        default_factory=lambda: _int_range(1, 256),
+        description="Range of targetBatchSize the operator may choose.",
+    )
+    hard_cap: IntRange = Field(
+        default_factory=lambda: _int_range(1, 512),
+        description="Range of hardCap the operator may choose.",
+    )
+    max_wait_ms: IntRange = Field(
+        default_factory=lambda: _int_range(0, 500),
+        description="Range of maxWaitMs the operator may choose.",
+    )
+    tail_mark_ratio: FloatRange = Field(
+        default_factory=lambda: FloatRange(min=1.5, max=4.0),
+        description="Range of tailMarkRatio the operator may choose.",
+    )
+    max_prefill_tokens: TokenRange = Field(
+        default_factory=lambda: TokenRange(min=128, max=16_384),
+        description=(
+            "Range of maxPrefillTokens the operator may choose (it sets one only for an SLO with "
+            "interTokenP99Ms; an unset budget stays unset otherwise)."
+        ),
+    )
+
+    def contains(self, window: WindowFields) -> list[str]:
+        """Names of the window fields that lie outside these bounds (empty when all inside)."""
+        outside = []
+        if not self.target_batch_size.contains(window.target_batch_size):
+            outside.append("targetBatchSize")
+        if not self.hard_cap.contains(window.hard_cap):
+            outside.append("hardCap")
+        if not self.max_wait_ms.contains(window.max_wait_ms):
+            outside.append("maxWaitMs")
+        if not self.tail_mark_ratio.contains(window.tail_mark_ratio):
+            outside.append("tailMarkRatio")
+        if window.max_prefill_tokens is not None and not self.max_prefill_tokens.contains(window.max_prefill_tokens):
+            outside.append("maxPrefillTokens")
+        return outside
+
+
+class Tuning(CamelModel):
+    """How the operator tunes the window."""
+
+    mode: TuningMode = Field(
+        default=TuningMode.ADAPTIVE,
+        description=(
+            "adaptive: retune and push; recommend: compute and report in status but never push; "
+            "static: push spec.window as it is."
+        ),
+    )
+    interval_seconds: int = Field(
+        default=15, ge=5, le=3600, description="Seconds between two observations and decisions."
+    )
+    bounds: WindowBounds = Field(default_factory=WindowBounds, description="Limits of each window field.")
+    max_step_fraction: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="Largest relative change of any window field in one decision (0.5 = at most +/-50 %).",
+    )
+    cooldown_seconds: int = Field(default=30, ge=0, le=3600, description="Least time between two window changes.")
+
+
+class Lane(CamelModel):
+    """A named priority lane with its own small window and reserved running slots."""
+
+    name: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="Lane name requests select (body field 'lane' or header X-Batchpilot-Lane).",
+    )
+    window: WindowFields = Field(description="This lane's window.")
+    reserved_slots: int = Field(
+        default=0, ge=0, le=MAX_BATCH_SIZE, description="Running slots held back for this lane's requests."
+    )
+
+
+# A Secret's name is a DNS subdomain and its keys are [-._a-zA-Z0-9]+, as the API server requires; the name
+# pattern also keeps a name from being a path ("../other-namespace/secrets/x") when it goes into a URL.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+
+
+class SecretKeyRef(CamelModel):
+    """A key of a Secret in the profile's own namespace: there is no field for another namespace, and a
+    ``namespace`` given anyway is refused here (the API server refuses or prunes it: it is not in the schema)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_NAME_PATTERN,
+        description="Secret name, in the profile's namespace (a Secret of another namespace cannot be named).",
+    )
+    key: str = Field(
+        default="token", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN, description="Key within the Secret."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_namespace_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "namespace" in data:
+            raise ValueError(
+                f"namespace: {data['namespace']!r} is not allowed: a profile may name only a Secret of its own "
+                "namespace; leave namespace out"
+            )
+        return data
+
+
+class RuntimeEndpoint(CamelModel):
+    """How the operator reaches the runtime pods' admin API."""
+
+    admin_port: int = Field(default=8081, ge=1, le=65535, description="Port of the runtime's admin API.")
+    serve_port: int = Field(default=8080, ge=1, le=65535, description="Port of the runtime's serving API and /metrics.")
+    admin_token_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret with the admin bearer token; the operator's own token is used when unset.",
+    )
+
+
+_BATCH_PROFILE_RULES: list[JsonValue] = [
+    {
+        "rule": "self.window.targetBatchSize >= self.tuning.bounds.targetBatchSize.min && "
+        "self.window.targetBatchSize <= self.tuning.bounds.targetBatchSize.max",
+        "message": "window.targetBatchSize must lie within tuning.bounds.targetBatchSize",
+    },
+    {
+        "rule": "self.window.hardCap >= self.tuning.bounds.hardCap.min && "
+        "self.window.hardCap <= self.tuning.bounds.hardCap.max",
+        "message": "window.hardCap must lie within tuning.bounds.hardCap",
+    },
+    {
+        "rule": "self.window.maxWaitMs >= self.tuning.bounds.maxWaitMs.min && "
+        "self.window.maxWaitMs <= self.tuning.bounds.maxWaitMs.max",
+        "message": "window.maxWaitMs must lie within tuning.bounds.maxWaitMs",
+    },
+    {
+        "rule": "self.window.tailMarkRatio >= self.tuning.bounds.tailMarkRatio.min && "
+        "self.window.tailMarkRatio <= self.tuning.bounds.tailMarkRatio.max",
+        "message": "window.tailMarkRatio must lie within tuning.bounds.tailMarkRatio",
+    },
+    {
+        "rule": "!has(self.window.maxPrefillTokens) || "
+        "(self.window.maxPrefillTokens >= self.tuning.bounds.maxPrefillTokens.min && "
+        "self.window.maxPrefillTokens <= self.tuning.bounds.maxPrefillTokens.max)",
+        "message": "window.maxPrefillTokens must lie within tuning.bounds.maxPrefillTokens",
+    },
+    {
+        "rule": "!has(self.lanes) || self.lanes.all(l, l.reservedSlots <= self.window.hardCap)",
+        "message": "lanes[].reservedSlots must not exceed window.hardCap",
+    },
+]
+
+
+class BatchProfileSpec(CamelModel):
+    """Desired batching behaviour of one model."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _BATCH_PROFILE_RULES})
+
+    model: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Model name, as the runtime reports it in the 'model' label of its metrics.",
+    )
+    selector: LabelSelector = Field(
+        description="Label selector of the runtime pods serving this model (same namespace)."
+    )
+    batch_friendliness: Friendliness = Field(
+        default=Friendliness.AUTO,
+        description=(
+            "How much the model gains from larger batches: high, medium, low, or auto (measured from "
+            "the runtime's step time per batch size). Sets how far the operator may raise the cap."
+        ),
+    )
+    window: WindowFields = Field(description="The starting window, and the only one in static mode.")
+    slo: SLO = Field(description="Latency objective.")
+    tuning: Tuning = Field(default_factory=Tuning, description="How the operator tunes the window.")
+    lanes: list[Lane] = Field(
+        default_factory=list, max_length=8, description="Named priority lanes beside the default (bulk) lane."
+    )
+    runtime: RuntimeEndpoint = Field(
+        default_factory=RuntimeEndpoint, description="How the operator reaches the runtime pods."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> BatchProfileSpec:
+        outside = self.tuning.bounds.contains(self.window)
+        if outside:
+            names = ", ".join(f"window.{name}" for name in outside)
+            raise ValueError(
+                f"{names} must lie within tuning.bounds ({'; '.join(_bounds_text(self.tuning.bounds, outside))})"
+            )
+        lane_names = [lane.name for lane in self.lanes]
+        duplicates = sorted({n for n in lane_names if lane_names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"lanes[].name must be unique; repeated: {', '.join(duplicates)}")
+        for lane in self.lanes:
+            if lane.reserved_slots > self.window.hard_cap:
+                raise ValueError(
+                    f"lanes[{lane.name}].reservedSlots ({lane.reserved_slots}) must not exceed "
+                    f"window.hardCap ({self.window.hard_cap})"
+                )
+        return self
+
+
+def _bounds_text(bounds: WindowBounds, names: list[str]) -> list[str]:
+    ranges: dict[str, IntRange | FloatRange | TokenRange] = {
+        "targetBatchSize": bounds.target_batch_size,
+        "hardCap": bounds.hard_cap,
+        "maxWaitMs": bounds.max_wait_ms,
+        "tailMarkRatio": bounds.tail_mark_ratio,
+        "maxPrefillTokens": bounds.max_prefill_tokens,
+    }
+    return [f"{name} bounds are {ranges[name].min:g}..{ranges[name].max:g}" for name in names]
+
+
+# ---- status ----------------------------------------------------------------
+
+
+class WindowInForce(Window):
+    """The window the operator last decided (what it pushes to the pods)."""
+
+    applied_at: str | None = Field(default=None, description="When this window was decided (RFC 3339).")
+
+
+class Observed(CamelModel):
+    """Figures the last decision was based on. Absent fields were unknown (no data)."""
+
+    p50_ms: float | None = Field(default=None, description="P50 of the SLO's latency metric, ms.")
+    p99_ms: float | None = Field(default=None, description="P99 of the SLO's latency metric, ms.")
+    p999_ms: float | None = Field(default=None, description="P99.9 of the SLO's latency metric, ms.")
+    inter_token_p99_ms: float | None = Field(default=None, description="P99 of the gap between two tokens, ms.")
+    queue_depth: float | None = Field(default=None, description="Requests waiting, summed over pods.")
+    arrival_rate: float | None = Field(default=None, description="Requests per second arriving.")
+    tokens_per_second: float | None = Field(default=None, description="Generated tokens per second.")
+    mean_batch_size: float | None = Field(default=None, description="Mean sequences per decode step.")
+    batch_hit_ratio: float | None = Field(
+        default=None, description="Share of admissions that fired because the target was reached."
+    )
+    kv_usage: float | None = Field(default=None, description="Highest KV-cache usage ratio among the pods.")
+    preemption_rate: float | None = Field(default=None, description="Preemptions per second.")
+    at: str | None = Field(default=None, description="When these were observed (RFC 3339).")
+
+
+class FriendlinessPoint(CamelModel):
+    batch_size: int = Field(ge=1, description="Batch-size bucket.")
+    tokens_per_second: float = Field(ge=0, description="Decode tokens per second at that batch size.")
+
+
+class FriendlinessStatus(CamelModel):
+    """Measured batch-friendliness (when spec.batchFriendliness is auto)."""
+
+    measured_class: Friendliness | None = Field(default=None, alias="class", description="Measured class.")
+    knee_batch_size: int | None = Field(
+        default=None, description="Batch size past which throughput stops growing, when found."
+    )
+    curve: list[FriendlinessPoint] = Field(
+        default_factory=list, max_length=16, description="Throughput per batch size."
+    )
+
+
+POLICY_STREAK_LIMIT = 1000
+POLICY_CURVE_LIMIT = 16
+
+
+class StepTimePoint(CamelModel):
+    batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE, description="Decode batch-size bucket.")
+    step_seconds: float = Field(
+        gt=0, allow_inf_nan=False, description="Mean decode step time at that batch size (weighted over intervals)."
+    )
+
+
+class PolicyMemory(CamelModel):
+    """What the tuning policy remembers between intervals, kept here so that a restarted operator
+    continues where the last one stopped (cooldown, ceilings, confirmations, measured step times)."""
+
+    version: int = Field(
+        ge=1, description="Schema version of this block; an operator ignores a version it does not know."
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation of the spec this memory was carried to."
+    )
+    last_change_time: str | None = Field(
+        default=None, description="When the window last changed (RFC 3339, microseconds): the cooldown runs from it."
+    )
+    kv_cap_ceiling: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_BATCH_SIZE,
+        description="The cap that preemptions last brought hardCap down to; it is not raised past it until memory is calm.",
+    )
+    budget_ceiling: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_PREFILL_TOKENS_LIMIT,
+        description="The prefill budget that too-long inter-token gaps last brought it down to.",
+    )
+    calm_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row without memory pressure."
+    )
+    itl_calm_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row with inter-token gaps within target."
+    )
+    headroom_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row with P99 well under the SLO."
+    )
+    under_streak: int = Field(
+        default=0, ge=0, le=POLICY_STREAK_LIMIT, description="Intervals in a row under 85 % of the SLO."
+    )
+    step_curve: list[StepTimePoint] = Field(
+        default_factory=list,
+        max_length=POLICY_CURVE_LIMIT,
+        description="Mean decode step time per batch size, from which batch-friendliness is measured.",
+    )
+
+
+class PodsStatus(CamelModel):
+    total: int = Field(default=0, ge=0, description="Runtime pods selected.")
+    ready: int = Field(default=0, ge=0, description="Selected pods that are Ready.")
+    synced: int = Field(default=0, ge=0, description="Ready pods whose window generation is the one in force.")
+    summary: str = Field(default="0/0", description="synced/ready, for kubectl get.")
+
+
+class Decision(CamelModel):
+    time: str = Field(description="When the decision was made (RFC 3339).")
+    direction: str = Field(description="up, down, hold, reset or recommend.")
+    reason: str = Field(description="One sentence saying why.")
+
+
+class Condition(CamelModel):
+    """A condition in the metav1.Condition shape."""
+
+    type: str = Field(description="Ready, Synced, MetricsAvailable or SLOMet.")
+    status: str = Field(pattern=r"^(True|False|Unknown)$", description="True, False or Unknown.")
+    reason: str = Field(
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024, description="CamelCase reason."
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable detail.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, ge=0, description="metadata.generation this was set for.")
+
+
+class BatchProfileStatus(CamelModel):
+    observed_generation: int | None = Field(default=None, description="metadata.generation last acted on.")
+    window: WindowInForce | None = Field(default=None, description="The window in force.")
+    observed: Observed | None = Field(default=None, description="Figures of the last observation.")
+    friendliness: FriendlinessStatus | None = Field(default=None, description="Measured batch-friendliness.")
+    pods: PodsStatus | None = Field(default=None, description="Runtime pods and how many run the window in force.")
+    last_decision: Decision | None = Field(default=None, description="The last tuning decision.")
+    recommended_window: Window | None = Field(
+        default=None, description="In recommend mode: the window the operator would push."
+    )
+    policy: PolicyMemory | None = Field(
+        default=None, description="The tuning policy's memory (cooldown, ceilings, step times), kept across restarts."
+    )
+    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Standard conditions.")
+
+
+CONDITION_TYPES = ("Ready", "Synced", "MetricsAvailable", "SLOMet")
+
+
+class ProfileError(ValueError):
+    """A BatchProfile that does not validate; the message names every bad field."""
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the field by its path as written in YAML."""
+    lines = []
+    for problem in error.errors():
+        path = ".".join(str(part) for part in problem["loc"])
+        where = ".".join(p for p in (prefix, path) if p)
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return "; ".join(lines)
+
+
+def parse_spec(spec: Any) -> BatchProfileSpec:
+    """Validate a spec mapping; raise :class:`ProfileError` naming the fields that are wrong."""
+    try:
+        return BatchProfileSpec.model_validate(spec)
+    except ValidationError as error:
+        raise ProfileError(format_validation_error(error, "spec")) from None
+
+
+def parse_manifest(manifest: Any) -> tuple[str, str, BatchProfileSpec]:
+    """Validate a whole BatchProfile manifest; return (namespace, name, spec)."""
+    if not isinstance(manifest, dict):
+        raise ProfileError("a BatchProfile must be a mapping")
+    if manifest.get("apiVersion") != API_VERSION or manifest.get("kind") != KIND:
+        raise ProfileError(
+            f"apiVersion/kind must be {API_VERSION}/{KIND}, got {manifest.get('apiVersion')}/{manifest.get('kind')}"
+        )
+    metadata = manifest.get("metadata") or {}
+    name = metadata.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProfileError("metadata.name: required")
+    namespace = metadata.get("namespace") or "default"
+    return namespace, name, parse_spec(manifest.get("spec"))

@@ -1,0 +1,102 @@
+"""``batchpilot-operator``: the operator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+from batchpilot_operator import __version__
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from batchpilot_operator.api.crd import render_crd
+
+    text = render_crd()
+    if args.output:
+        for path in args.output:
+            Path(path).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from batchpilot_operator.api.manifests import load_profiles
+
+    failures = 0
+    for path in args.paths:
+        for loaded in load_profiles(Path(path)):
+            if loaded.error:
+                failures += 1
+                print(f"{loaded.source}: {loaded.name or '?'}: INVALID: {loaded.error}")
+            else:
+                print(f"{loaded.source}: {loaded.namespace}/{loaded.name}: ok")
+    return 1 if failures else 0
+
+
+def _cmd_reference(args: argparse.Namespace) -> int:
+    from batchpilot_operator.api.reference import render_reference
+
+    sys.stdout.write(render_reference())
+    return 0
+
+
+Handler = Callable[[argparse.Namespace], int]
+
+# Modules that each define ``register(subparsers)`` adding their own subcommand;
+# they import their heavy dependencies inside the handler, so --help stays fast.
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "batchpilot_operator.cli.demo",
+    "batchpilot_operator.cli.commands",
+    "batchpilot_operator.cli.simulate",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchpilot-operator",
+        description="Keep every LLM model's batching window tuned to its live load.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    crd = sub.add_parser("crd", help="print the BatchProfile CustomResourceDefinition generated from the models")
+    crd.add_argument(
+        "-o", "--output", action="append", metavar="FILE", help="write to FILE instead of stdout (repeatable)"
+    )
+    crd.set_defaults(handler=_cmd_crd)
+
+    validate = sub.add_parser(
+        "validate", help="validate BatchProfile YAML files or folders (exit 1 naming each bad field)"
+    )
+    validate.add_argument("paths", nargs="+", metavar="PATH")
+    validate.set_defaults(handler=_cmd_validate)
+
+    reference = sub.add_parser("reference", help="print the BatchProfile field reference (Markdown)")
+    reference.set_defaults(handler=_cmd_reference)
+
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        print(f"batchpilot-operator {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,266 @@
+"""``batchpilot-operator local``: the embedded default, no cluster.
+
+Profiles come from YAML files, runtimes from the command line, metrics from a
+Prometheus URL or, without one, straight from the runtimes' ``/metrics``. The
+very same :class:`Controller` runs: same policy, same pushes. Status lives in
+memory (and in ``--status-file`` when given, rewritten after every tick);
+every decision and every push failure is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from batchpilot_operator.api.manifests import load_profiles
+from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
+from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.io.opmetrics import OperatorMetrics
+from batchpilot_operator.io.push import AdminClient
+from batchpilot_operator.tuning import policy as policy_mod
+
+RUNTIME_KEYS = ("model", "url", "admin", "token-file", "name")
+
+log = logging.getLogger("batchpilot.operator")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    model: str
+    url: str  # serving base URL (its /metrics is scraped)
+    admin: str  # admin base URL
+    token: str | None
+    name: str
+
+
+def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
+    """``model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH[,name=NAME]``; errors name the key."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--runtime {text!r}: expected KEY=VALUE pairs separated by commas, got {part!r}")
+        if key not in RUNTIME_KEYS:
+            raise ValueError(f"--runtime {text!r}: unknown key {key!r} (known: {', '.join(RUNTIME_KEYS)})")
+        fields[key] = value.strip()
+    for required in ("model", "url", "admin"):
+        if not fields.get(required):
+            raise ValueError(f"--runtime {text!r}: {required}= is required")
+    for key in ("url", "admin"):
+        if not fields[key].startswith(("http://", "https://")):
+            raise ValueError(f"--runtime {text!r}: {key}= must be an http(s) URL, got {fields[key]!r}")
+        try:
+            httpx.URL(fields[key])
+        except httpx.InvalidURL as error:
+            raise ValueError(
+                f"--runtime {text!r}: {key}= is not a valid URL ({error}); an IPv6 address goes in brackets, "
+                "e.g. http://[::1]:8081"
+            ) from None
+    token = None
+    if fields.get("token-file"):
+        path = Path(fields["token-file"])
+        if not path.is_file():
+            raise ValueError(f"--runtime {text!r}: token-file {path} does not exist")
+        token = path.read_text().strip()
+    return RuntimeSpec(
+        model=fields["model"],
+        url=fields["url"].rstrip("/"),
+        admin=fields["admin"].rstrip("/"),
+        token=token,
+        name=fields.get("name") or f"{fields['model']}-{index}",
+    )
+
+
+class LocalSink:
+    """Status in memory (optionally mirrored to a JSON file); Events printed."""
+
+    def __init__(self, out: TextIO = sys.stdout, status_file: Path | None = None) -> None:
+        self.out = out
+        self.status: dict[str, dict[str, Any]] = {}
+        self.status_file = status_file
+
+    async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
+        self.status[ref.key] = apply_merge_patch(self.status.get(ref.key), patch)
+
+    async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
+        if reason.startswith("Decision"):
+            return  # decisions are printed by on_decision, with more detail
+        self.out.write(f"{_now()} {ref.key} {type_} {reason}: {message}\n")
+        self.out.flush()
+
+    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
+        raise LookupError("local mode has no Secrets: give the runtime's token with --runtime ...,token-file=PATH")
+
+    def write_file(self) -> None:
+        if self.status_file is None:
+            return
+        tmp = self.status_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.status, indent=2, sort_keys=True))
+        os.replace(tmp, self.status_file)
+
+
+def _now() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+def print_decision(out: TextIO, output: str = "text") -> Any:
+    """A decision callback writing one line per decision: text for people, or a JSON object
+    (``time``, ``profile``, ``model``, ``mode``, ``direction``, ``window``, ``reason``)."""
+
+    def on_decision(record: ProfileRecord, decision: policy_mod.Decision) -> None:
+        mode = record.spec.tuning.mode.value if record.spec else "?"
+        direction = decision.direction if mode != "recommend" or not decision.changed else "recommend"
+        if output == "json":
+            line = json.dumps(
+                {
+                    "time": _now(),
+                    "profile": record.ref.key,
+                    "model": record.model,
+                    "mode": mode,
+                    "direction": direction,
+                    "window": decision.window.model_dump(mode="json", by_alias=True),
+                    "reason": decision.reason,
+                }
+            )
+        else:
+            line = (
+                f"{_now()} {record.ref.key} model={record.model} mode={mode} {direction}: "
+                f"{decision.window.describe()} - {decision.reason}"
+            )
+        out.write(line + "\n")
+        out.flush()
+
+    return on_decision
+
+
+async def run_local(
+    profiles_path: Path,
+    runtimes: Sequence[RuntimeSpec],
+    *,
+    prometheus_url: str | None = None,
+    interval_s: float | None = None,
+    scrape_interval_s: float = 15.0,
+    push_timeout_s: float = 2.0,
+    query_timeout_s: float = 3.0,
+    duration_s: float | None = None,
+    status_file: Path | None = None,
+    metrics_port: int = 0,
+    output: str = "text",
+    out: TextIO = sys.stdout,
+) -> int:
+    loaded = load_profiles(profiles_path)
+    if not loaded:
+        raise ValueError(f"--profiles {profiles_path}: no BatchProfile found")
+    sink = LocalSink(out, status_file)
+    metrics = OperatorMetrics()
+    metrics.serve(metrics_port, "127.0.0.1")
+    source: Any
+    if prometheus_url:
+        from batchpilot_operator.io.promql import PrometheusSource
+
+        source = PrometheusSource(
+            prometheus_url,
+            scrape_interval_s=scrape_interval_s,
+            interval_s=interval_s or 15.0,
+            timeout_s=query_timeout_s,
+            namespace_label=None,
+        )
+    else:
+        from batchpilot_operator.io.scrape import ScrapeSource
+
+        source = ScrapeSource(rate_window_s=interval_s or 15.0, timeout_s=query_timeout_s)
+    admin = AdminClient(timeout_s=push_timeout_s)
+    controller = Controller(
+        Settings(tick_s=min(1.0, interval_s or 1.0), interval_override_s=interval_s),
+        source,
+        admin,
+        sink,
+        metrics=metrics,
+        match_by_model=True,
+        on_decision=print_decision(out, output),
+    )
+    for runtime in runtimes:
+        controller.upsert_pod(
+            PodRecord(
+                namespace="local",
+                name=runtime.name,
+                ready=True,
+                admin_url=runtime.admin,
+                metrics_url=f"{runtime.url}/metrics",
+                model=runtime.model,
+                token=runtime.token,
+                uid=runtime.name,
+            )
+        )
+    for profile in loaded:
+        if profile.error:
+            out.write(f"{_now()} {profile.key} INVALID: {profile.error}\n")
+        controller.upsert_profile(
+            profile.namespace,
+            profile.name or "?",
+            profile.manifest.get("spec"),
+            generation=1,
+        )
+    out.write(
+        f"{_now()} local mode: {len(loaded)} profile(s), {len(runtimes)} runtime(s), metrics from "
+        f"{prometheus_url or 'the runtimes /metrics'}\n"
+    )
+    out.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    deadline = time.monotonic() + duration_s if duration_s else None
+    try:
+        while not stop.is_set():
+            try:
+                await controller.tick()
+            except Exception:  # as in Controller.run: the loop survives anything one tick does
+                log.exception("tick failed")
+            sink.write_file()
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=controller.settings.tick_s)
+    finally:
+        await controller.drain_events()
+        await admin.aclose()
+        if prometheus_url:
+            source.close()
+        else:
+            await source.aclose()
+    return 0
+
+
+def cmd_local(args: Any) -> int:
+    runtimes = [parse_runtime(text, i) for i, text in enumerate(args.runtime)]
+    if not runtimes:
+        raise ValueError("--runtime: give at least one runtime (model=NAME,url=SERVE_URL,admin=ADMIN_URL,...)")
+    return asyncio.run(
+        run_local(
+            args.profiles,
+            runtimes,
+            prometheus_url=args.prometheus_url,
+            interval_s=args.interval,
+            scrape_interval_s=args.scrape_interval,
+            push_timeout_s=args.push_timeout,
+            query_timeout_s=args.query_timeout,
+            duration_s=args.duration,
+            status_file=args.status_file,
+            metrics_port=args.metrics_port,
+            output=args.output,
+        )
+    )

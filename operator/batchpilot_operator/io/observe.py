@@ -1,0 +1,313 @@
+"""Raw per-model metrics over one rate window, and the arithmetic on them.
+
+Both metric sources produce the same :class:`ModelMetrics` for every
+(namespace, model): the Prometheus source from a handful of grouped PromQL
+queries, the scraping source from the difference of two scrapes of the
+runtimes' ``/metrics``. Quantiles are computed here, from bucket increments,
+with Prometheus's own ``histogram_quantile`` interpolation, so that both
+sources give the same figure for the same traffic — and so that a quantile that
+falls in the ``+Inf`` bucket is reported as *saturated* rather than as a value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from batchpilot_operator.tuning.observations import Observations, histogram_quantile, is_saturated
+from batchpilot_runtime.contract import metric_names as rm
+
+INTER_TOKEN = "interToken"
+# The latency histograms the operator reads, by name: the SLO's latencyMetric picks one of the
+# first three; the inter-token histogram is read for every profile (slo.interTokenP99Ms).
+LATENCY_HISTOGRAMS: dict[str, str] = {
+    "ttft": rm.TTFT_SECONDS,
+    "queueWait": rm.QUEUE_WAIT_SECONDS,
+    "e2e": rm.REQUEST_LATENCY_SECONDS,
+    INTER_TOKEN: rm.INTER_TOKEN_SECONDS,
+}
+
+# A (namespace, model) pair. Sources that see no namespace label use "".
+ModelKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Quantile:
+    """One quantile read from a histogram: ``value_s`` is None when there was no data."""
+
+    value_s: float | None
+    saturated: bool = False  # the rank fell in the +Inf bucket: the true value is above the top bound
+
+
+@dataclass(frozen=True)
+class HistogramWindow:
+    """Increments of one histogram over a window: cumulative counts per upper bound (ascending, +Inf last)."""
+
+    upper_bounds: tuple[float, ...]
+    cumulative: tuple[float, ...]
+    sum_value: float = 0.0
+
+    @property
+    def count(self) -> float:
+        return self.cumulative[-1] if self.cumulative else 0.0
+
+    def quantile(self, q: float) -> Quantile:
+        """Prometheus's histogram_quantile on these increments (linear within a bucket).
+
+        Delegates to :func:`batchpilot_operator.tuning.observations.histogram_quantile`, the
+        function the simulator uses, so that both read the same figure from the same buckets.
+        """
+        if not self.cumulative or not math.isfinite(self.count) or self.count <= 0:
+            return Quantile(None)
+        finite = tuple(b for b in self.upper_bounds if not math.isinf(b))
+        per_bucket = [self.cumulative[0], *(b - a for a, b in zip(self.cumulative, self.cumulative[1:], strict=False))]
+        if not finite:
+            return Quantile(None, saturated=True)
+        value = histogram_quantile(q, finite, per_bucket)
+        rank = q * self.count
+        in_inf_bucket = self.cumulative[-2] < rank if len(self.cumulative) >= 2 else True
+        return Quantile(finite_or_none(value), saturated=in_inf_bucket or is_saturated(value, finite))
+
+    def merged(self, other: HistogramWindow) -> HistogramWindow:
+        """Sum of two histograms with the same buckets (e.g. two pods, two lanes)."""
+        if self.upper_bounds != other.upper_bounds:
+            raise ValueError("cannot merge histograms with different buckets")
+        return HistogramWindow(
+            self.upper_bounds,
+            tuple(a + b for a, b in zip(self.cumulative, other.cumulative, strict=True)),
+            self.sum_value + other.sum_value,
+        )
+
+
+def histogram_from_buckets(buckets: Mapping[float, float], sum_value: float = 0.0) -> HistogramWindow:
+    """Build from ``{upper_bound: cumulative increment}``; bounds are sorted, ``+Inf`` added when missing.
+
+    Prometheus can return a slightly non-monotone cumulative series when the
+    buckets were scraped at different instants; it is made monotone here as
+    histogram_quantile does.
+    """
+    bounds = sorted(buckets)
+    counts = [max(0.0, buckets[b]) if math.isfinite(buckets[b]) else 0.0 for b in bounds]
+    if not bounds or not math.isinf(bounds[-1]):
+        bounds.append(math.inf)
+        counts.append(counts[-1] if counts else 0.0)
+    for i in range(1, len(counts)):
+        counts[i] = max(counts[i], counts[i - 1])
+    return HistogramWindow(tuple(bounds), tuple(counts), sum_value)
+
+
+@dataclass
+class ModelMetrics:
+    """What one model's pods did over one rate window (rates per second; gauges now).
+
+    Absent values (None) mean the source had no series for them: unknown, not zero.
+    """
+
+    window_s: float
+    latency: dict[str, HistogramWindow] = field(default_factory=dict)  # keyed by LATENCY_HISTOGRAMS keys
+    # Quantiles computed by Prometheus (histogram_quantile), by latency metric then q; and observation rates.
+    latency_quantiles_s: dict[str, dict[float, float]] = field(default_factory=dict)
+    latency_count_per_s: dict[str, float] = field(default_factory=dict)
+    requests_per_s: float | None = None
+    generated_tokens_per_s: float | None = None
+    prompt_tokens_per_s: float | None = None
+    admissions_per_s: dict[str, float] = field(default_factory=dict)  # by reason
+    tail_marked_per_s: float | None = None
+    preemptions_per_s: float | None = None
+    decode_batch_sum_per_s: float | None = None
+    decode_batch_count_per_s: float | None = None
+    step_seconds_by_bucket: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (sum/s, count/s)
+    queue_depth: float | None = None
+    running: float | None = None
+    kv_usage_max: float | None = None
+    pods_reporting: int = 0
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        if not self.decode_batch_count_per_s or self.decode_batch_sum_per_s is None:
+            return None
+        return self.decode_batch_sum_per_s / self.decode_batch_count_per_s
+
+    @property
+    def batch_hit_ratio(self) -> float | None:
+        """Share of admission groups that filled the batch: fired by the target or by reaching the cap
+        (the scheduler counts a group once, by the strongest reason, and "cap" outranks "target")."""
+        total = sum(self.admissions_per_s.values())
+        if total <= 0:
+            return None
+        return (self.admissions_per_s.get("target", 0.0) + self.admissions_per_s.get("cap", 0.0)) / total
+
+    @property
+    def tail_marked_share(self) -> float | None:
+        """Tail-marked requests per request that ended (the rule that raises the tail-mark ratio)."""
+        if self.tail_marked_per_s is None or not self.requests_per_s:
+            return None
+        return self.tail_marked_per_s / self.requests_per_s
+
+    def step_time_per_batch_s(self) -> dict[int, float]:
+        """Mean decode step time per batch-size bucket, for buckets that had steps."""
+        return {b: s / c for b, (s, c) in sorted(self.step_seconds_by_bucket.items()) if c > 0}
+
+
+def lookup(metrics: Mapping[ModelKey, ModelMetrics], namespace: str, model: str) -> ModelMetrics | None:
+    """The metrics of a profile: by (namespace, model), else by model alone when the source has no namespace."""
+    return metrics.get((namespace, model)) or metrics.get(("", model))
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """NaN and infinities (no traffic, division by zero in PromQL) are unknown, not numbers."""
+    if value is None or not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsBuilder:
+    """Accumulates per-series values (already rates, or already gauges) into ModelMetrics per key.
+
+    Each source feeds it the series it read; several pods or lanes of one model add up.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._metrics: dict[ModelKey, ModelMetrics] = {}
+        self._buckets: dict[tuple[ModelKey, str], dict[float, float]] = {}
+
+    def _get(self, key: ModelKey) -> ModelMetrics:
+        metrics = self._metrics.get(key)
+        if metrics is None:
+            metrics = self._metrics[key] = ModelMetrics(window_s=self.window_s)
+        return metrics
+
+    def add_bucket(self, key: ModelKey, latency_metric: str, upper_bound: float, rate: float) -> None:
+        self._get(key)
+        buckets = self._buckets.setdefault((key, latency_metric), {})
+        buckets[upper_bound] = buckets.get(upper_bound, 0.0) + rate
+
+    def add_quantile(self, key: ModelKey, latency_metric: str, q: float, value_s: float) -> None:
+        """A quantile Prometheus computed; NaN (no traffic) is kept out: unknown, not zero."""
+        if math.isfinite(value_s):
+            self._get(key).latency_quantiles_s.setdefault(latency_metric, {})[q] = value_s
+
+    def add_latency_count(self, key: ModelKey, latency_metric: str, rate: float) -> None:
+        if math.isfinite(rate):
+            counts = self._get(key).latency_count_per_s
+            counts[latency_metric] = counts.get(latency_metric, 0.0) + rate
+
+    def add_rate(self, key: ModelKey, series: str, rate: float, detail: str = "") -> None:
+        """``series`` is one of requests, generated_tokens, prompt_tokens, tail_marked, preemptions,
+        admissions (detail = reason), batch_sum, batch_count, step_sum and step_count (detail = batch bucket)."""
+        m = self._get(key)
+        if not math.isfinite(rate):
+            return
+        if series == "admissions":
+            m.admissions_per_s[detail] = m.admissions_per_s.get(detail, 0.0) + rate
+        elif series in ("step_sum", "step_count"):
+            try:
+                bucket = int(float(detail))
+            except ValueError:
+                return
+            step_sum, step_count = m.step_seconds_by_bucket.get(bucket, (0.0, 0.0))
+            if series == "step_sum":
+                m.step_seconds_by_bucket[bucket] = (step_sum + rate, step_count)
+            else:
+                m.step_seconds_by_bucket[bucket] = (step_sum, step_count + rate)
+        else:
+            attribute = _RATE_ATTRIBUTES.get(series)
+            if attribute is None:
+                raise ValueError(f"unknown rate series {series!r}")
+            setattr(m, attribute, (getattr(m, attribute) or 0.0) + rate)
+
+    def add_gauge(self, key: ModelKey, series: str, value: float) -> None:
+        """``series``: queue_depth and running add up over pods; kv_usage keeps the highest; pods counts."""
+        m = self._get(key)
+        if not math.isfinite(value):
+            return
+        if series == "queue_depth":
+            m.queue_depth = (m.queue_depth or 0.0) + value
+        elif series == "running":
+            m.running = (m.running or 0.0) + value
+        elif series == "kv_usage":
+            m.kv_usage_max = value if m.kv_usage_max is None else max(m.kv_usage_max, value)
+        elif series == "pods":
+            m.pods_reporting += int(value)
+        else:
+            raise ValueError(f"unknown gauge series {series!r}")
+
+    def build(self) -> dict[ModelKey, ModelMetrics]:
+        for (key, latency_metric), buckets in self._buckets.items():
+            self._metrics[key].latency[latency_metric] = histogram_from_buckets(buckets)
+        return dict(self._metrics)
+
+
+_RATE_ATTRIBUTES = {
+    "requests": "requests_per_s",
+    "generated_tokens": "generated_tokens_per_s",
+    "prompt_tokens": "prompt_tokens_per_s",
+    "tail_marked": "tail_marked_per_s",
+    "preemptions": "preemptions_per_s",
+    "batch_sum": "decode_batch_sum_per_s",
+    "batch_count": "decode_batch_count_per_s",
+}
+
+
+class MetricsUnavailable(Exception):
+    """The metric source could not answer this interval (the message says why)."""
+
+
+def _quantiles(metrics: ModelMetrics, name: str) -> tuple[tuple[Quantile, Quantile, Quantile], float]:
+    """P50, P99, P99.9 of one latency histogram and the observations they rest on (NaN: unknown)."""
+    histogram = metrics.latency.get(name)
+    if histogram is not None and histogram.count > 0:
+        p50, p99, p999 = (histogram.quantile(q) for q in (0.5, 0.99, 0.999))
+        return (p50, p99, p999), histogram.count * metrics.window_s
+    if name in metrics.latency_quantiles_s:
+        # Prometheus returns the top finite bound for a quantile in +Inf: is_saturated recognises it.
+        quantiles = metrics.latency_quantiles_s[name]
+        p50, p99, p999 = (
+            Quantile(v, is_saturated(v, rm.LATENCY_BUCKETS_S))
+            if (v := quantiles.get(q)) is not None
+            else Quantile(None)
+            for q in (0.5, 0.99, 0.999)
+        )
+        count = metrics.latency_count_per_s.get(name)
+        return (p50, p99, p999), count * metrics.window_s if count is not None else math.nan
+    return (Quantile(None), Quantile(None), Quantile(None)), math.nan
+
+
+def to_observations(metrics: ModelMetrics | None, latency_metric: str, at_s: float) -> Observations:
+    """The policy's view of one profile: unknown figures stay NaN (never zero).
+
+    The one builder of observations: the live sources (Prometheus, scraping) and the simulator
+    all fill a :class:`ModelMetrics` with the same counters and come through here."""
+    nan = math.nan
+    if metrics is None:
+        return Observations(at_s=at_s)
+    (p50, p99, p999), samples = _quantiles(metrics, latency_metric)
+    (_, itl_p99, _), _ = _quantiles(metrics, INTER_TOKEN)
+
+    def num(value: float | None) -> float:
+        known_value = finite_or_none(value)
+        return nan if known_value is None else known_value
+
+    return Observations(
+        p50_s=num(p50.value_s),
+        p99_s=num(p99.value_s),
+        p999_s=num(p999.value_s),
+        p99_saturated=p99.saturated,
+        p999_saturated=p999.saturated,
+        samples=samples,
+        queue_depth=num(metrics.queue_depth),
+        arrival_rate_per_s=num(metrics.requests_per_s),
+        tokens_per_s=num(metrics.generated_tokens_per_s),
+        mean_batch_size=num(metrics.mean_batch_size),
+        batch_hit_ratio=num(metrics.batch_hit_ratio),
+        tail_marked_share=num(metrics.tail_marked_share),
+        itl_p99_s=num(itl_p99.value_s),
+        itl_p99_saturated=itl_p99.saturated,
+        kv_usage_ratio=num(metrics.kv_usage_max),
+        preemptions_per_s=num(metrics.preemptions_per_s),
+        step_s_by_batch=metrics.step_time_per_batch_s(),
+        window_s=metrics.window_s,
+        at_s=at_s,
+    )

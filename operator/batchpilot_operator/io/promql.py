@@ -1,0 +1,261 @@
+"""Observations from Prometheus: three grouped PromQL queries per interval for all profiles.
+
+Every query aggregates ``by (namespace, model)`` over all runtime pods, so the
+number of queries does not grow with the number of profiles: one for the three
+latency histograms' quantiles (``histogram_quantile``, so a few series per model
+come back, not whole histograms) and observation rates, one for every counter
+rate, one for the gauges. Each sub-expression is tagged with a ``bp_series`` label through
+``label_replace`` and joined with ``or``, which keeps their results apart.
+A quantile in the ``+Inf`` bucket comes back as the top finite bound, which
+:func:`batchpilot_operator.tuning.observations.is_saturated` recognises as saturated.
+
+prometheus-api-client is synchronous (requests); it runs on a small dedicated
+thread pool with a timeout so that a slow Prometheus never blocks the event
+loop, and never piles up more threads than the pool holds. A response hook
+reads each answer's body itself, under a cap and within the same deadline, so
+that an answer that never ends, or a huge one, frees its thread at the deadline
+instead of holding it (and the pool) forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchpilot_operator.io.observe import (
+    LATENCY_HISTOGRAMS,
+    MetricsBuilder,
+    MetricsUnavailable,
+    ModelKey,
+    ModelMetrics,
+)
+from batchpilot_operator.io.outbound import format_bytes
+from batchpilot_runtime.contract import metric_names as rm
+
+SERIES_LABEL = "bp_series"
+QUANTILE_LABEL = "bp_quantile"
+COUNT_SUFFIX = "_count"
+QUANTILES = (0.5, 0.99, 0.999)
+DEFAULT_NAMESPACE_LABEL = "namespace"
+# One answer holds about 200 bytes per series: 1,000 models x 13 latency series is ~2.5 MiB. 64 MiB is room
+# for 20x that, and bounds what a broken or hostile endpoint can make the three query threads hold.
+MAX_ANSWER_BYTES = 64 << 20
+_READ_CHUNK_BYTES = 64 << 10
+
+
+def rate_window_s(scrape_interval_s: float, interval_s: float) -> int:
+    """The rate window: at least 4 scrape intervals (so a missed scrape never empties it), at least one tick."""
+    return math.ceil(max(4.0 * scrape_interval_s, interval_s))
+
+
+def _tag(expr: str, series: str) -> str:
+    return f'label_replace({expr}, "{SERIES_LABEL}", "{series}", "", "")'
+
+
+def build_queries(window_s: int, namespace_label: str | None = DEFAULT_NAMESPACE_LABEL) -> dict[str, str]:
+    """The grouped queries of one interval, by name. Every metric name comes from the runtime's contract.
+
+    ``namespace_label`` None groups by model alone (local mode matches profiles by model).
+    """
+    by = f"{namespace_label}, {rm.LABEL_MODEL}" if namespace_label else rm.LABEL_MODEL
+    w = f"[{window_s}s]"
+    # Prometheus computes the quantiles (a few series per model, not a whole histogram's buckets).
+    latency_parts = []
+    for slo_name, histogram in LATENCY_HISTOGRAMS.items():
+        buckets = f"sum by ({by}, le) (rate({histogram}_bucket{w}))"
+        for q in QUANTILES:
+            quantile = f"histogram_quantile({q}, {buckets})"
+            latency_parts.append(f'label_replace({_tag(quantile, slo_name)}, "{QUANTILE_LABEL}", "{q}", "", "")')
+        latency_parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{w}))", f"{slo_name}{COUNT_SUFFIX}"))
+    latency = " or ".join(latency_parts)
+    decode = f'{{{rm.LABEL_PHASE}="decode"}}'
+    rates = " or ".join(
+        [
+            _tag(f"sum by ({by}) (rate({rm.REQUESTS_TOTAL}{w}))", "requests"),
+            _tag(f"sum by ({by}) (rate({rm.GENERATED_TOKENS_TOTAL}{w}))", "generated_tokens"),
+            _tag(f"sum by ({by}) (rate({rm.PROMPT_TOKENS_TOTAL}{w}))", "prompt_tokens"),
+            _tag(f"sum by ({by}) (rate({rm.TAIL_MARKED_TOTAL}{w}))", "tail_marked"),
+            _tag(f"sum by ({by}) (rate({rm.PREEMPTIONS_TOTAL}{w}))", "preemptions"),
+            _tag(f"sum by ({by}, {rm.LABEL_REASON}) (rate({rm.ADMISSIONS_TOTAL}{w}))", "admissions"),
+            _tag(f"sum by ({by}) (rate({rm.BATCH_SIZE}_sum{decode}{w}))", "batch_sum"),
+            _tag(f"sum by ({by}) (rate({rm.BATCH_SIZE}_count{decode}{w}))", "batch_count"),
+            _tag(f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_sum{decode}{w}))", "step_sum"),
+            _tag(f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_count{decode}{w}))", "step_count"),
+        ]
+    )
+    gauges = " or ".join(
+        [
+            _tag(f"sum by ({by}) ({rm.QUEUE_DEPTH})", "queue_depth"),
+            _tag(f"sum by ({by}) ({rm.RUNNING_SEQUENCES})", "running"),
+            _tag(f"max by ({by}) ({rm.KV_CACHE_USAGE_RATIO})", "kv_usage"),
+            _tag(f"count by ({by}) ({rm.QUEUE_DEPTH})", "pods"),
+        ]
+    )
+    return {"latency": latency, "rates": rates, "gauges": gauges}
+
+
+def _value(sample: Mapping[str, Any]) -> float:
+    raw = sample.get("value")
+    if not isinstance(raw, list | tuple) or len(raw) != 2:
+        return math.nan
+    try:
+        return float(raw[1])
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def parse_results(
+    results: Mapping[str, Sequence[Mapping[str, Any]]],
+    window_s: float,
+    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
+) -> dict[ModelKey, ModelMetrics]:
+    """Turn the instant-vector answers of :func:`build_queries` into ModelMetrics per (namespace, model)."""
+    builder = MetricsBuilder(window_s)
+    for name, samples in results.items():
+        for sample in samples:
+            labels = sample.get("metric") or {}
+            model = labels.get(rm.LABEL_MODEL)
+            series = labels.get(SERIES_LABEL)
+            if not model or not series:
+                continue
+            key = (str(labels.get(namespace_label, "")) if namespace_label else "", str(model))
+            value = _value(sample)
+            if name == "latency":
+                if series.endswith(COUNT_SUFFIX) and series.removesuffix(COUNT_SUFFIX) in LATENCY_HISTOGRAMS:
+                    builder.add_latency_count(key, series.removesuffix(COUNT_SUFFIX), value)
+                elif series in LATENCY_HISTOGRAMS and QUANTILE_LABEL in labels:
+                    try:
+                        q = float(labels[QUANTILE_LABEL])
+                    except ValueError:
+                        continue
+                    builder.add_quantile(key, series, q, value)
+            elif name == "rates":
+                detail = str(labels.get(rm.LABEL_REASON) or labels.get(rm.LABEL_BATCH_BUCKET) or "")
+                builder.add_rate(key, series, value, detail)
+            elif name == "gauges":
+                builder.add_gauge(key, series, value)
+    return builder.build()
+
+
+@dataclass(frozen=True)
+class QueryStats:
+    queries: int
+    seconds: float
+
+
+class PrometheusSource:
+    """Reads every profile's metrics with the three grouped queries of :func:`build_queries`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        scrape_interval_s: float = 15.0,
+        interval_s: float = 15.0,
+        timeout_s: float = 5.0,
+        namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
+        headers: Mapping[str, str] | None = None,
+        max_body_bytes: int = MAX_ANSWER_BYTES,
+    ) -> None:
+        import requests
+        from prometheus_api_client import PrometheusConnect
+        from urllib3.util.retry import Retry
+
+        self.url = url
+        self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.namespace_label = namespace_label
+        self.window_s = rate_window_s(scrape_interval_s, interval_s)
+        self.queries_total = 0
+        self.last_stats = QueryStats(0, 0.0)
+        # No retries inside the client: the next tick is the retry, and a retry loop
+        # here would hold the thread past our timeout.
+        session = requests.Session()
+        session.hooks["response"].append(self._read_body)
+        self._client = PrometheusConnect(
+            url=url,
+            headers=dict(headers or {}),
+            retry=Retry(total=0, connect=0, read=0),
+            timeout=timeout_s,
+            session=session,
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="promql")
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the query threads; ``wait`` joins a query still running (tests do, to leave no thread behind)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+    def _read_body(self, response: Any, **_: Any) -> Any:
+        """requests' response hook (it runs before requests reads the body): read the body here, under the cap
+        and within what the deadline leaves after the headers; otherwise close the connection and raise."""
+        deadline = time.monotonic() + max(0.0, self.timeout_s - response.elapsed.total_seconds())
+        chunks: list[bytes] = []
+        seen = 0
+        try:
+            # read1: whatever one socket read brings, so that a dripped body meets the deadline check.
+            while chunk := response.raw.read1(_READ_CHUNK_BYTES, decode_content=True):
+                seen += len(chunk)
+                if seen > self.max_body_bytes:
+                    raise MetricsUnavailable(
+                        f"Prometheus at {self.url}: answer over the {format_bytes(self.max_body_bytes)} cap"
+                    )
+                if time.monotonic() > deadline:
+                    raise MetricsUnavailable(
+                        f"Prometheus at {self.url}: answer not complete within {self.timeout_s:g} s"
+                    )
+                chunks.append(chunk)
+        except BaseException:
+            response.close()
+            raise
+        response._content = b"".join(chunks)
+        response._content_consumed = True
+        return response
+
+    def _query(self, expr: str) -> list[dict[str, Any]]:
+        result = self._client.custom_query(expr, params={"timeout": f"{self.timeout_s:g}s"})
+        if not isinstance(result, list):
+            raise MetricsUnavailable(f"Prometheus answered a {type(result).__name__}, not a vector")
+        return result
+
+    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]:
+        """Run the grouped queries concurrently; raise MetricsUnavailable naming the cause on any failure.
+
+        ``targets`` is ignored: the queries cover every model at once.
+        """
+        import requests
+
+        del targets
+        loop = asyncio.get_running_loop()
+        queries = build_queries(self.window_s, self.namespace_label)
+        started = time.monotonic()
+        futures = {name: loop.run_in_executor(self._pool, self._query, expr) for name, expr in queries.items()}
+        self.queries_total += len(futures)
+        too_slow = f"Prometheus at {self.url} did not answer within {self.timeout_s:g} s"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                # return_exceptions: every answer is retrieved, so no failed future is left unobserved.
+                outcomes = await asyncio.gather(*futures.values(), return_exceptions=True)
+        except TimeoutError:
+            raise MetricsUnavailable(too_slow) from None
+        finally:
+            self.last_stats = QueryStats(len(futures), time.monotonic() - started)
+        answers: dict[str, list[dict[str, Any]]] = {}
+        for name, outcome in zip(futures, outcomes, strict=True):
+            if isinstance(outcome, MetricsUnavailable):
+                raise outcome
+            if isinstance(outcome, requests.Timeout):  # the thread's own read timeout can beat the one above
+                raise MetricsUnavailable(too_slow) from None
+            if isinstance(outcome, BaseException):  # requests/urllib3/prometheus-api-client raise many types
+                raise MetricsUnavailable(f"Prometheus at {self.url} failed ({name}): {_short(outcome)}") from None
+            answers[name] = outcome
+        return parse_results(answers, self.window_s, self.namespace_label)
+
+
+def _short(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

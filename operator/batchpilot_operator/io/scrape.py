@@ -1,0 +1,180 @@
+"""Observations without Prometheus: scrape the runtimes' ``/metrics`` and difference two scrapes.
+
+Local mode without ``--prometheus-url`` uses this. Each tick scrapes every
+runtime once; counters and histogram buckets are differenced against the
+oldest scrape still inside the rate window (what ``rate()`` does over its
+range), so that both sources feed the policy the same figures. A counter that
+went down means the pod restarted: its current value is the increase, as
+Prometheus assumes.
+
+Each scrape has an overall deadline (``timeout_s``, the whole body included) and
+a body cap (``max_body_bytes``): a pod whose ``/metrics`` never ends, or is
+huge, is left out of that tick like an unreachable one, and holds the tick no
+longer than the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchpilot_operator.io.observe import (
+    LATENCY_HISTOGRAMS,
+    MetricsBuilder,
+    MetricsUnavailable,
+    ModelKey,
+    ModelMetrics,
+)
+from batchpilot_operator.io.outbound import read_capped
+from batchpilot_runtime.contract import metric_names as rm
+
+_HISTOGRAM_TO_SLO = {histogram: slo for slo, histogram in LATENCY_HISTOGRAMS.items()}
+_COUNTERS = {
+    rm.REQUESTS_TOTAL: "requests",
+    rm.GENERATED_TOKENS_TOTAL: "generated_tokens",
+    rm.PROMPT_TOKENS_TOTAL: "prompt_tokens",
+    rm.TAIL_MARKED_TOTAL: "tail_marked",
+    rm.PREEMPTIONS_TOTAL: "preemptions",
+    rm.ADMISSIONS_TOTAL: "admissions",
+}
+_GAUGES = {rm.QUEUE_DEPTH: "queue_depth", rm.RUNNING_SEQUENCES: "running", rm.KV_CACHE_USAGE_RATIO: "kv_usage"}
+
+# (series name, sorted label pairs) -> value
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+# A runtime's exposition is about 250 KiB (four latency histograms of ~65 buckets per lane, the step-time
+# histogram per phase and batch bucket); 8 MiB leaves room for many lanes and stops a runaway answer.
+MAX_METRICS_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Scrape:
+    at_s: float
+    series: dict[SeriesKey, float]
+
+
+def parse_exposition(text: str) -> dict[SeriesKey, float]:
+    """Every sample of a Prometheus text exposition, keyed by name and labels."""
+    series: dict[SeriesKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return series
+
+
+def _increase(now: float, before: float | None) -> float:
+    if before is None or now < before:
+        return now  # new series, or a restart reset the counter
+    return now - before
+
+
+def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: MetricsBuilder, namespace: str = "") -> None:
+    """Add one pod's rates (increase over the span / span) and gauges to ``builder``."""
+    span_s = current.at_s - oldest.at_s if oldest is not None else 0.0
+    previous = oldest.series if oldest is not None else {}
+    for (name, label_items), value in current.series.items():
+        labels = dict(label_items)
+        model = labels.get(rm.LABEL_MODEL)
+        if not model or not math.isfinite(value):
+            continue
+        key = (namespace, model)
+        if name in _GAUGES:
+            builder.add_gauge(key, _GAUGES[name], value)
+            if name == rm.QUEUE_DEPTH:
+                builder.add_gauge(key, "pods", 1.0)
+            continue
+        if span_s <= 0:
+            continue  # a first scrape: no rates yet
+        rate = _increase(value, previous.get((name, label_items))) / span_s
+        if name.endswith("_bucket") and name.removesuffix("_bucket") in _HISTOGRAM_TO_SLO:
+            try:
+                bound = float(labels.get("le", "nan"))
+            except ValueError:
+                continue
+            builder.add_bucket(key, _HISTOGRAM_TO_SLO[name.removesuffix("_bucket")], bound, rate)
+        elif name in _COUNTERS:
+            builder.add_rate(key, _COUNTERS[name], rate, labels.get(rm.LABEL_REASON, ""))
+        elif name.startswith(rm.BATCH_SIZE) and labels.get(rm.LABEL_PHASE) == "decode":
+            if name == f"{rm.BATCH_SIZE}_sum":
+                builder.add_rate(key, "batch_sum", rate)
+            elif name == f"{rm.BATCH_SIZE}_count":
+                builder.add_rate(key, "batch_count", rate)
+        elif name.startswith(rm.STEP_SECONDS) and labels.get(rm.LABEL_PHASE) == "decode":
+            bucket = labels.get(rm.LABEL_BATCH_BUCKET, "")
+            if name == f"{rm.STEP_SECONDS}_sum":
+                builder.add_rate(key, "step_sum", rate, bucket)
+            elif name == f"{rm.STEP_SECONDS}_count":
+                builder.add_rate(key, "step_count", rate, bucket)
+
+
+class ScrapeSource:
+    """Scrapes each runtime's ``/metrics`` once per tick and keeps the scrapes of the last rate window."""
+
+    def __init__(
+        self,
+        *,
+        rate_window_s: float = 60.0,
+        timeout_s: float = 3.0,
+        max_body_bytes: int = MAX_METRICS_BYTES,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rate_window_s = rate_window_s
+        self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._clock = clock
+        self._history: dict[str, deque[Scrape]] = {}
+        self.scrapes_total = 0
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _scrape(self, url: str) -> Scrape:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self._client.stream("GET", url, timeout=self.timeout_s) as response:
+                    response.raise_for_status()
+                    body = await read_capped(response, self.max_body_bytes)
+        except TimeoutError:
+            raise MetricsUnavailable(f"no complete answer within {self.timeout_s:g} s") from None
+        return Scrape(self._clock(), parse_exposition(body.decode("utf-8", errors="replace")))
+
+    def _oldest_within_window(self, url: str, current: Scrape) -> Scrape | None:
+        history = self._history.setdefault(url, deque())
+        # Keep one scrape at or beyond the window edge so the span covers the whole window.
+        while len(history) >= 2 and current.at_s - history[1].at_s >= self.rate_window_s:
+            history.popleft()
+        oldest = history[0] if history else None
+        history.append(current)
+        return oldest
+
+    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]:
+        """Scrape every URL of every key concurrently. Unreachable pods are left out; when no pod
+        answers at all the whole collection is unavailable."""
+        urls = sorted({(key, url) for key, key_urls in targets.items() for url in key_urls})
+        results = await asyncio.gather(*(self._scrape(url) for _, url in urls), return_exceptions=True)
+        self.scrapes_total += len(urls)
+        builder = MetricsBuilder(self.rate_window_s)
+        failures: list[str] = []
+        for (key, url), result in zip(urls, results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(f"{url}: {type(result).__name__}: {result}")
+                self._history.pop(url, None)
+                continue
+            oldest = self._oldest_within_window(url, result)
+            metrics_from_scrapes(result, oldest, builder, namespace=key[0])
+        if urls and len(failures) == len(urls):
+            raise MetricsUnavailable("no runtime answered /metrics: " + "; ".join(failures[:3]))
+        built = builder.build()
+        spans = [h[-1].at_s - h[0].at_s for _, u in urls if (h := self._history.get(u))]
+        for metrics in built.values():
+            metrics.window_s = max(spans, default=0.0)
+        return built

@@ -1,0 +1,509 @@
+"""Discrete-event simulator: the runtime's real scheduler on a virtual clock.
+
+The simulator replays a trace (arrival times and token counts) into
+:class:`batchpilot_runtime.scheduling.scheduler.Scheduler`, the very code the engine runs, with
+synthetic token ids. One engine step is ``schedule(now)``, a duration from the
+:class:`~batchpilot_runtime.replay.cost_model.CostModel` for the plan's composition, then
+``update_from_output(plan, sampled, now + duration)``. Between steps the clock jumps to the
+next arrival, the scheduler's next admission deadline, or the next controller tick.
+
+Every ``interval_s`` a *controller* (the tuning policy, a static window, AIMD...) sees the
+figures the operator would see: quantiles of the SLO's latency metric read from the
+runtime's own histogram buckets over a rate window, queue depth, arrival rate, KV usage
+and so on, as :class:`~batchpilot_operator.tuning.observations.Observations`, and may put a new
+window in force; the scheduler applies it at the next step boundary, as the runtime does.
+
+Deterministic: no wall clock, no randomness (token ids are fixed, the trace is the input).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batchpilot_operator.api.profile import LatencyMetric
+from batchpilot_operator.io.observe import INTER_TOKEN, HistogramWindow, ModelMetrics, to_observations
+from batchpilot_operator.tuning.observations import NAN, Observations
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, batch_bucket
+from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
+from batchpilot_runtime.replay.trace import TraceRequest
+from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens
+from batchpilot_runtime.scheduling.scheduler import (
+    QueueFullError,
+    RequestRejected,
+    SchedRequest,
+    Scheduler,
+    SchedulerConfig,
+)
+
+# The token every simulated step "samples": never a stop token, so requests end by length.
+SYNTHETIC_TOKEN = 7
+_NUM_BUCKETS = len(LATENCY_BUCKETS_S) + 1
+_CUMULATIVE_BOUNDS = (*LATENCY_BUCKETS_S, math.inf)
+# Exact inter-token quantiles over a whole run come from a fine histogram (0.1 ms bins up to 60 s):
+# millions of gaps, no list of them.
+GAP_BIN_S = 1e-4
+_GAP_BINS = 600_000
+
+
+class GapHistogram:
+    """Every inter-token gap of a run, in 0.1 ms bins (the last bin holds everything longer)."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (_GAP_BINS + 1)
+        self.total = 0
+
+    def add(self, gap_s: float, count: int = 1) -> None:
+        self.counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += count
+        self.total += count
+
+    def quantile(self, q: float) -> float:
+        """Nearest-rank quantile, as the upper edge of its bin (NaN without gaps)."""
+        if self.total == 0:
+            return NAN
+        rank = max(1, math.ceil(q * self.total))
+        seen = 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank:
+                return math.inf if index == _GAP_BINS else (index + 1) * GAP_BIN_S
+        return math.inf
+
+
+class Controller(Protocol):
+    """Decides the window at each interval from what the operator would observe."""
+
+    name: str
+
+    def on_interval(self, now_s: float, observations: Observations, window: Window) -> Window | None:
+        """A new window to put in force, or None to keep the one in force."""
+        ...
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How to run one simulation.
+
+    ``rate_window_s`` is the PromQL rate window the observations are computed over.
+    ``max_sim_s`` stops the run (requests still unfinished count as missing the SLO);
+    ``abort_after_misses`` stops it early once that many requests have missed the SLO
+    (the grid search uses it to drop windows that cannot meet the SLO);
+    ``abort_after_gap_misses`` once that many inter-token gaps exceeded ``slo_itl_p99_s``.
+    """
+
+    cost: CostModel
+    scheduler: SchedulerConfig
+    slo_p99_s: float
+    latency_metric: LatencyMetric = LatencyMetric.TTFT
+    slo_itl_p99_s: float | None = None
+    interval_s: float = 15.0
+    rate_window_s: float = 60.0
+    max_sim_s: float | None = None
+    abort_after_misses: int | None = None
+    record_timeline: bool = True
+    # (time, cost model): from that time on steps cost what the second model says (a heavier model
+    # version rolled out mid-replay, say).
+    cost_change: tuple[float, CostModel] | None = None
+    abort_after_gap_misses: int | None = None
+    # A per-step prompt budget derived from an inter-token target (what fits in it after the
+    # step's decodes, from the cost model itself: an oracle no live engine has); None: off.
+    step_budget_itl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.slo_p99_s > 0:
+            raise ValueError(f"slo_p99_s must be > 0, got {self.slo_p99_s}")
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        if not self.rate_window_s > 0:
+            raise ValueError(f"rate_window_s must be > 0, got {self.rate_window_s}")
+
+
+def scheduler_config_for(
+    cost: CostModel,
+    kv_block_size: int = 16,
+    max_model_len: int = 8192,
+    max_prefill_tokens_per_step: int | None = None,
+    max_queue: int = 4096,
+    kv_capacity_tokens: int | None = None,
+) -> SchedulerConfig:
+    """A scheduler config whose KV pool holds the cost profile's KV capacity."""
+    capacity = kv_capacity_tokens or cost.kv_capacity_tokens or 65_536
+    return SchedulerConfig(
+        num_kv_blocks=max(1, blocks_for_tokens(capacity, kv_block_size) - 1),
+        kv_block_size=kv_block_size,
+        max_model_len=max_model_len,
+        max_prefill_tokens_per_step=max_prefill_tokens_per_step,
+        max_queue=max_queue,
+    )
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one trace request (times in seconds; NaN = never happened)."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    admitted_s: float = NAN
+    first_token_s: float = NAN
+    last_token_s: float = NAN
+    finished_s: float = NAN
+    rejected: bool = False
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for a one-token answer; inf when unfinished)."""
+        if math.isnan(self.finished_s):
+            return math.inf
+        return (self.finished_s - self.first_token_s) / max(1, self.output_tokens - 1)
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.admitted_s - self.arrival_s if not math.isnan(self.admitted_s) else math.inf
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s if not math.isnan(self.first_token_s) else math.inf
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished_s - self.arrival_s if not math.isnan(self.finished_s) else math.inf
+
+    def latency_s(self, metric: LatencyMetric) -> float:
+        if metric == LatencyMetric.QUEUE_WAIT:
+            return self.queue_wait_s
+        if metric == LatencyMetric.E2E:
+            return self.e2e_s
+        return self.ttft_s
+
+
+@dataclass
+class _Interval:
+    """Counters of one controller interval (the simulator's scrape)."""
+
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
+    itl_buckets: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
+    arrivals: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_seqs: int = 0
+    admissions: dict[str, int] = field(default_factory=dict)
+    admitted_requests: int = 0
+    tail_marked: int = 0
+    preempted: int = 0
+    step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [sum_s, count]
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    t_s: float
+    arrival_rate_per_s: float
+    p99_s: float
+    itl_p99_s: float
+    queue_depth: int
+    running: int
+    kv_usage_ratio: float
+    target_batch_size: int
+    hard_cap: int
+    max_wait_ms: int
+    tail_mark_ratio: float
+    max_prefill_tokens: int | None
+    changed: bool
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    timeline: list[TimelinePoint]
+    interval_admissions: list[tuple[float, dict[str, int]]]  # (arrival rate, admissions by reason) per interval
+    window_changes: int
+    final_window: Window
+    sim_end_s: float
+    steps: int
+    aborted: bool
+    trace_span_s: float
+    gaps: GapHistogram = field(default_factory=GapHistogram)
+
+
+class Simulator:
+    """Replays ``requests`` through a fresh :class:`Scheduler` under ``controller``."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        window: Window,
+        config: SimConfig,
+        controller: Controller | None = None,
+    ) -> None:
+        self.requests = requests
+        self.initial_window = window
+        self.config = config
+        self.controller = controller
+
+    def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
+        cfg = self.config
+        cost = cfg.cost
+        sched = Scheduler(cfg.scheduler, self.initial_window)
+        if cfg.step_budget_itl_s is not None:
+            sched.set_step_budget_rule(itl_budget_rule(cost, cfg.step_budget_itl_s))
+        window = self.initial_window
+        requests = self.requests
+        n = len(requests)
+        records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(requests)]
+        metric = cfg.latency_metric
+        slo_s = cfg.slo_p99_s
+        buckets = LATENCY_BUCKETS_S
+        span_s = requests[-1].arrival_s if n else 0.0
+        end_limit_s = cfg.max_sim_s if cfg.max_sim_s is not None else math.inf
+        intervals: list[_Interval] = [_Interval()]
+        current = intervals[0]
+        window_len = max(1, math.ceil(cfg.rate_window_s / cfg.interval_s - 1e-9))
+        timeline: list[TimelinePoint] = []
+        interval_admissions: list[tuple[float, dict[str, int]]] = []
+        changes = 0
+        steps = 0
+        misses = 0
+        aborted = False
+        next_tick_s = cfg.interval_s
+        next_arrival = 0
+        now_s = 0.0
+        prompt_cache: dict[int, tuple[int, ...]] = {}
+        gaps = GapHistogram()
+        gap_counts = gaps.counts
+        itl_slo_s = cfg.slo_itl_p99_s if cfg.slo_itl_p99_s is not None else math.inf
+        gap_misses = 0
+        gap_miss_limit = cfg.abort_after_gap_misses if cfg.abort_after_gap_misses is not None else math.inf
+
+        def observe(value_s: float) -> None:
+            nonlocal misses
+            current.latency_buckets[bisect.bisect_left(buckets, value_s)] += 1
+            if value_s > slo_s:
+                misses += 1
+
+        def miss() -> None:
+            nonlocal misses
+            misses += 1
+
+        while True:
+            # 1. Arrivals up to now enter the queue (their arrival time is their own, not now).
+            while next_arrival < n and requests[next_arrival].arrival_s <= now_s:
+                req = requests[next_arrival]
+                length = req.prompt_tokens
+                prompt = prompt_cache.get(length)
+                if prompt is None:
+                    prompt = (SYNTHETIC_TOKEN,) * length
+                    prompt_cache[length] = prompt
+                try:
+                    sched.add_request(SchedRequest(str(next_arrival), prompt, max(1, req.output_tokens), req.arrival_s))
+                except (QueueFullError, RequestRejected):
+                    records[next_arrival].rejected = True
+                    miss()
+                current.arrivals += 1
+                next_arrival += 1
+            # 2. Controller ticks that are due: observe, decide, stage the window.
+            while next_tick_s <= now_s:
+                obs = self._observations(intervals[-window_len:], cfg, sched, next_tick_s)
+                rate = obs.arrival_rate_per_s
+                interval_admissions.append((current.arrivals / cfg.interval_s, dict(current.admissions)))
+                changed = False
+                if self.controller is not None:
+                    proposal = self.controller.on_interval(next_tick_s, obs, window)
+                    if proposal is not None and not proposal.fields_equal(window):
+                        window = proposal
+                        sched.set_window(window)
+                        changes += 1
+                        changed = True
+                if cfg.record_timeline:
+                    timeline.append(
+                        TimelinePoint(
+                            next_tick_s,
+                            rate,
+                            obs.p99_s if not obs.p99_saturated else math.inf,
+                            obs.itl_p99_s if not obs.itl_p99_saturated else math.inf,
+                            sched.num_waiting,
+                            sched.num_running,
+                            sched.kv_usage_ratio,
+                            window.target_batch_size,
+                            window.hard_cap,
+                            window.max_wait_ms,
+                            window.tail_mark_ratio,
+                            window.max_prefill_tokens or cfg.scheduler.max_prefill_tokens_per_step,
+                            changed,
+                        )
+                    )
+                current = _Interval()
+                intervals.append(current)
+                if len(intervals) > window_len + 1:
+                    del intervals[0]
+                next_tick_s += cfg.interval_s
+                if progress is not None:
+                    progress(next_tick_s)
+            if (cfg.abort_after_misses is not None and misses > cfg.abort_after_misses) or gap_misses > gap_miss_limit:
+                aborted = True
+                break
+            if now_s >= end_limit_s:
+                break
+            # 3. One step, or a jump to the next event when there is nothing to run.
+            plan = sched.schedule(now_s)
+            if plan.is_empty:
+                candidates = [next_tick_s]
+                if next_arrival < n:
+                    candidates.append(requests[next_arrival].arrival_s)
+                deadline = sched.next_deadline_s()
+                if deadline is not None and deadline > now_s:
+                    candidates.append(deadline)
+                if next_arrival >= n and not sched.has_unfinished:
+                    break
+                now_s = max(now_s, min(candidates))
+                continue
+            stats = plan.stats
+            seqs = plan.seqs
+            if cfg.cost_change is not None and now_s >= cfg.cost_change[0]:
+                cost = cfg.cost_change[1]
+            step_s = cost.step_seconds(StepComposition.from_seqs(seqs))
+            start_s = now_s
+            now_s = start_s + step_s
+            steps += 1
+            # Admissions: a first prefill chunk of a never-admitted request.
+            if stats.admitted_requests:
+                for seq in seqs:
+                    if seq.is_prefill and seq.start_pos == 0:
+                        record = records[int(seq.request_id)]
+                        if math.isnan(record.admitted_s):
+                            record.admitted_s = start_s
+                            if metric == LatencyMetric.QUEUE_WAIT:
+                                observe(start_s - record.arrival_s)
+            for reason, count in stats.admissions.items():
+                current.admissions[reason] = current.admissions.get(reason, 0) + count
+            current.admitted_requests += stats.admitted_requests
+            current.tail_marked += stats.tail_marked
+            current.preempted += stats.preempted
+            if stats.num_decode_seqs:
+                current.decode_steps += 1
+                current.decode_seqs += stats.num_decode_seqs
+                if stats.num_prefill_tokens == 0:
+                    bucket = int(batch_bucket(stats.batch_size))
+                    acc = current.step_s_by_bucket.get(bucket)
+                    if acc is None:
+                        current.step_s_by_bucket[bucket] = [step_s, 1.0]
+                    else:
+                        acc[0] += step_s
+                        acc[1] += 1.0
+            sampled = {seq.request_id: SYNTHETIC_TOKEN for seq in seqs if seq.sample}
+            outputs = sched.update_from_output(plan, sampled, now_s)
+            current.generated_tokens += len(outputs)
+            itl_buckets = current.itl_buckets
+            for out in outputs:
+                record = records[int(out.request_id)]
+                last_s = record.last_token_s
+                record.last_token_s = now_s
+                if last_s == last_s:  # not NaN: a gap since this request's previous token (stalls included)
+                    gap_s = now_s - last_s
+                    itl_buckets[bisect.bisect_left(buckets, gap_s)] += 1
+                    gap_counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += 1
+                    if gap_s > itl_slo_s:
+                        gap_misses += 1
+                elif metric == LatencyMetric.TTFT:
+                    observe(now_s - record.arrival_s)
+                if math.isnan(record.first_token_s):
+                    record.first_token_s = now_s
+                if out.finish_reason is not None:
+                    record.finished_s = now_s
+                    if metric == LatencyMetric.E2E:
+                        observe(now_s - record.arrival_s)
+        gaps.total = sum(gap_counts)
+        return SimResult(
+            gaps=gaps,
+            records=records,
+            timeline=timeline,
+            interval_admissions=interval_admissions,
+            window_changes=changes,
+            final_window=window,
+            sim_end_s=now_s,
+            steps=steps,
+            aborted=aborted,
+            trace_span_s=span_s,
+        )
+
+    @staticmethod
+    def _observations(recent: Sequence[_Interval], cfg: SimConfig, sched: Scheduler, now_s: float) -> Observations:
+        """What the operator's queries would return over the last rate window: the simulator's
+        counters as the live sources' :class:`ModelMetrics`, through the same builder."""
+        return to_observations(
+            interval_metrics(recent, cfg.interval_s, cfg.latency_metric, sched), cfg.latency_metric, now_s
+        )
+
+
+def itl_budget_rule(cost: CostModel, itl_target_s: float) -> Callable[[int, int], float]:
+    """Prompt tokens that fit in ``itl_target_s`` after a step's decodes (a prompt token also adds
+    a KV token); the step's first chunk may still overrun it when the decodes alone fill it."""
+    per_token_s = cost.per_prefill_token_s + cost.per_kv_token_s
+
+    def rule(decode_seqs: int, decode_kv_tokens: int) -> float:
+        left_s = itl_target_s - cost.step_seconds(StepComposition(0, decode_seqs, decode_kv_tokens))
+        return math.inf if per_token_s <= 0 else max(0.0, left_s / per_token_s)
+
+    return rule
+
+
+def interval_metrics(
+    recent: Sequence[_Interval], interval_s: float, latency_metric: LatencyMetric, sched: Scheduler
+) -> ModelMetrics:
+    """The counters of the last intervals as rates per second, as Prometheus' ``rate()`` gives them."""
+    window_s = len(recent) * interval_s
+    latency = [0] * _NUM_BUCKETS
+    itl = [0] * _NUM_BUCKETS
+    arrivals = tokens = decode_steps = decode_seqs = marked = preempted = 0
+    admissions: dict[str, int] = {}
+    step_acc: dict[int, list[float]] = {}
+    for interval in recent:
+        for i, c in enumerate(interval.latency_buckets):
+            if c:
+                latency[i] += c
+        for i, c in enumerate(interval.itl_buckets):
+            if c:
+                itl[i] += c
+        arrivals += interval.arrivals
+        tokens += interval.generated_tokens
+        decode_steps += interval.decode_steps
+        decode_seqs += interval.decode_seqs
+        marked += interval.tail_marked
+        preempted += interval.preempted
+        for reason, count in interval.admissions.items():
+            admissions[reason] = admissions.get(reason, 0) + count
+        for bucket, (sum_s, count_f) in interval.step_s_by_bucket.items():
+            acc = step_acc.setdefault(bucket, [0.0, 0.0])
+            acc[0] += sum_s
+            acc[1] += count_f
+
+    def histogram(counts: list[int]) -> HistogramWindow:
+        cumulative: list[float] = []
+        running = 0
+        for count in counts:
+            running += count
+            cumulative.append(running / window_s)
+        return HistogramWindow(_CUMULATIVE_BOUNDS, tuple(cumulative))
+
+    return ModelMetrics(
+        window_s=window_s,
+        latency={str(latency_metric): histogram(latency), INTER_TOKEN: histogram(itl)},
+        requests_per_s=arrivals / window_s,
+        generated_tokens_per_s=tokens / window_s,
+        admissions_per_s={reason: count / window_s for reason, count in admissions.items()},
+        tail_marked_per_s=marked / window_s,
+        preemptions_per_s=preempted / window_s,
+        decode_batch_sum_per_s=decode_seqs / window_s,
+        decode_batch_count_per_s=decode_steps / window_s,
+        step_seconds_by_bucket={b: (s / window_s, c / window_s) for b, (s, c) in step_acc.items()},
+        queue_depth=float(sched.num_waiting),
+        running=float(sched.num_running),
+        kv_usage_max=sched.kv_usage_ratio,
+        pods_reporting=1,
+    )

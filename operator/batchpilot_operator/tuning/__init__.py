@@ -1,0 +1,1 @@
+"""Tuning: observations, the pure policy, its memory across restarts, and batch-friendliness. No I/O."""

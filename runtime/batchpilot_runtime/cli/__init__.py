@@ -1,0 +1,1 @@
+"""The command line: batchpilot-runtime and its subcommands."""

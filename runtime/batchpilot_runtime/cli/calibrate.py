@@ -1,0 +1,176 @@
+"""``batchpilot-runtime calibrate``: fit the step-time cost model to the real engine on this machine.
+
+It builds the engine exactly as ``serve`` does (``Engine.build``: model preset or checkpoint,
+paged KV cache, scheduler) and runs steps of varied composition through the same path as
+``Engine.step``: ``schedule`` -> ``ForwardBatch.build`` -> model forward -> greedy sampling ->
+``update_from_output``, timing each step (with a device sync on CUDA; the forward is repeated and the fastest run kept,
+so that a shared machine's noise does not enter the fit). Each scenario admits
+``batch`` requests of ``prompt`` tokens together (one prefill step of batch x prompt tokens),
+then decodes them (steps of ``batch`` sequences over a growing KV), and a staggered variant
+mixes prefill chunks with decodes. The ``(composition, seconds)`` samples are fitted by
+non-negative least squares (:func:`batchpilot_runtime.replay.cost_model.fit_cost_model`) and written as
+JSON that ``batchpilot-operator simulate --cost-profile FILE`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="time engine steps of varied composition and fit the simulator's step-time cost model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--preset", default="small", help="model preset (tiny, small, medium)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="local safetensors checkpoint directory")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-lengths", default="16,64,256", help="comma-separated prompt lengths (tokens)")
+    parser.add_argument("--decode-steps", type=int, default=12, help="decode steps timed per scenario")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; 1 is steadier on a shared machine)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="forward runs per step; the fastest is kept")
+    parser.add_argument("--kv-cache-tokens", type=int, default=65_536)
+    parser.add_argument("--max-seconds", type=float, default=120.0, help="stop adding scenarios after this long")
+    parser.add_argument("--name", default=None, help="profile name (default: '<preset>-<device>')")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="write the fitted model as JSON here")
+    parser.set_defaults(handler=_run)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list integers >= 1, got {text!r}")
+    return values
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from batchpilot_runtime.contract.window import Window
+    from batchpilot_runtime.engine.engine import Engine
+    from batchpilot_runtime.model.model import ForwardBatch
+    from batchpilot_runtime.replay.cost_model import StepComposition, fit_cost_model
+    from batchpilot_runtime.scheduling.scheduler import SchedRequest
+
+    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    prompt_lengths = _ints(args.prompt_lengths, "--prompt-lengths")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.decode_steps < 1:
+        raise ValueError(f"--decode-steps must be >= 1, got {args.decode_steps}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    cap = max(batch_sizes)
+    engine = Engine.build(
+        model_name="calibrate",
+        window=Window(target_batch_size=1, hard_cap=cap, max_wait_ms=0),
+        preset=args.preset,
+        checkpoint=args.checkpoint,
+        kv_cache_tokens=args.kv_cache_tokens,
+        device=args.device,
+    )
+    scheduler, model, kv = engine.scheduler, engine.model, engine.kv
+    device = model.device
+    block_size = scheduler.config.kv_block_size
+    vocab = model.config.vocab_size
+    samples: list[tuple[StepComposition, float]] = []
+    counter = 0
+
+    def run_scenario(batch: int, prompt: int, staggered: bool, record: bool) -> None:
+        nonlocal counter
+        max_new = args.decode_steps + 1
+        if batch * (prompt + max_new) > scheduler.capacity_tokens or prompt + max_new > scheduler.config.max_model_len:
+            return
+        now = time.monotonic()
+        pending: list[SchedRequest] = []
+        for i in range(batch):
+            counter += 1
+            tokens = tuple((counter * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt))
+            request = SchedRequest(f"c{counter}", tokens, max_new, now)
+            if staggered and i % 2:
+                pending.append(request)  # joins after a few decode steps, so prefill and decode mix
+            else:
+                scheduler.add_request(request)
+        steps = 0
+        while scheduler.has_unfinished or pending:
+            if pending and steps == 3:
+                for request in pending:
+                    scheduler.add_request(request)
+                pending = []
+            started = time.perf_counter()
+            plan = scheduler.schedule(time.monotonic())
+            if plan.is_empty:
+                break
+            forward_batch = ForwardBatch.build(plan.seqs, block_size, device)
+            bookkeeping_s = time.perf_counter() - started
+            # The forward is repeated (it rewrites the same K/V slots with the same values) and the
+            # fastest run kept: on a shared machine the minimum is the step's cost, the rest is noise.
+            forward_s = float("inf")
+            with torch.inference_mode():
+                for _ in range(args.repeats):
+                    forward_started = time.perf_counter()
+                    logits = model(forward_batch, kv)
+                    tokens_out = logits.argmax(dim=-1).tolist()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    forward_s = min(forward_s, time.perf_counter() - forward_started)
+            update_started = time.perf_counter()
+            sampling = [seq.request_id for seq in plan.seqs if seq.sample]
+            scheduler.update_from_output(plan, dict(zip(sampling, tokens_out, strict=True)), time.monotonic())
+            elapsed = bookkeeping_s + forward_s + (time.perf_counter() - update_started)
+            steps += 1
+            if record:
+                samples.append((StepComposition.from_seqs(plan.seqs), elapsed))
+
+    began = time.perf_counter()
+    run_scenario(min(batch_sizes), min(prompt_lengths), False, record=False)  # warm-up: allocator, kernels
+    stopped_early = False
+    for prompt in prompt_lengths:
+        for batch in batch_sizes:
+            for staggered in (False, True) if batch > 1 else (False,):
+                if time.perf_counter() - began > args.max_seconds:
+                    stopped_early = True
+                    break
+                run_scenario(batch, prompt, staggered, record=True)
+    name = args.name or f"{args.preset}-{device.type}"
+    fit = fit_cost_model(
+        samples,
+        name=name,
+        source=f"batchpilot-runtime calibrate on this machine ({device.type}, preset {args.preset}, "
+        f"{len(samples)} timed steps)",
+        kv_capacity_tokens=scheduler.capacity_tokens,
+    )
+    payload = fit.as_dict()
+    payload["fit"]["stopped_early"] = stopped_early
+    payload["fit"]["wall_s"] = time.perf_counter() - began
+    text = json.dumps(payload, indent=2)
+    if args.output:
+        args.output.write_text(text + "\n")
+    model_fit = fit.model
+    sys.stdout.write(
+        f"{name}: fixed {model_fit.fixed_s * 1e3:.3f} ms + {model_fit.per_prefill_token_s * 1e6:.2f} us/prompt token "
+        f"+ {model_fit.per_decode_seq_s * 1e6:.2f} us/decoding seq + {model_fit.per_kv_token_s * 1e9:.2f} ns/KV token "
+        f"(R^2 {fit.r_squared:.3f}, mean |error| {fit.mean_abs_rel_error:.1%}, {fit.samples} steps"
+        f"{', stopped early at --max-seconds' if stopped_early else ''})\n"
+    )
+    if not args.output:
+        sys.stdout.write(text + "\n")
+    return 0

@@ -1,0 +1,69 @@
+"""Bodies of the runtime's admin API (``GET``/``PUT /admin/window``).
+
+The operator builds the request and parses the response with these very models.
+No torch, no web framework here.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from batchpilot_runtime.contract.window import CamelModel, Window
+
+ADMIN_WINDOW_PATH = "/admin/window"
+LANE_HEADER = "X-Batchpilot-Lane"
+
+
+class LaneWindow(CamelModel):
+    """The window of one named priority lane, as the runtime holds it."""
+
+    name: str = Field(description="Lane name, e.g. 'critical'.")
+    window: Window
+    reserved_slots: int = Field(ge=0, description="Running slots held back for this lane.")
+
+
+class PodCapacity(CamelModel):
+    """What the pod can hold: the ceiling any window pushed to it must respect."""
+
+    kv_cache_tokens: int = Field(ge=0, description="KV-cache capacity in tokens.")
+    kv_block_size: int = Field(ge=1, description="Tokens per KV-cache block.")
+    max_hard_cap: int = Field(ge=1, description="Largest hardCap the pod accepts.")
+    max_model_len: int = Field(ge=1, description="Longest sequence (prompt + output) the pod serves.")
+
+
+class WindowState(CamelModel):
+    """Answer of ``GET /admin/window`` and of a successful ``PUT``."""
+
+    model: str = Field(description="Model name, as in the metrics' model label.")
+    window: Window
+    lanes: list[LaneWindow] = Field(default_factory=list)
+    capacity: PodCapacity
+    batching: str = Field(description="'continuous' or 'static'.")
+    default_prefill_tokens: int | None = Field(
+        default=None,
+        description=(
+            "The pod's start-up prompt-token budget per step, in force while window.maxPrefillTokens is "
+            "unset (none = whole prompts)."
+        ),
+    )
+
+    @property
+    def prefill_budget_tokens(self) -> int | None:
+        """Prompt tokens one step may prefill under this state; ``None``: whole prompts."""
+        return self.window.max_prefill_tokens or self.default_prefill_tokens
+
+
+class WindowUpdate(CamelModel):
+    """Body of ``PUT /admin/window``: the new default-lane window (with its generation)
+    and, optionally, new windows for named lanes."""
+
+    window: Window
+    lanes: list[LaneWindow] | None = None
+
+
+class AdminError(CamelModel):
+    """Body of a refused admin call (401, 409, 422)."""
+
+    error: str
+    detail: str
+    window_in_force: Window | None = None

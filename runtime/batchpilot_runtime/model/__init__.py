@@ -1,0 +1,1 @@
+"""The model: a Llama-architecture decoder in PyTorch, its paged KV cache, sampling, tokenizer and device choice."""

@@ -1,0 +1,1 @@
+"""Replays: traces, the step-cost model, ServeGen day generation and the load generator."""

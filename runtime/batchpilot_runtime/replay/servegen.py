@@ -1,0 +1,797 @@
+"""Day-long request replays sampled from the Alibaba ServeGen production statistics.
+
+ServeGen (``alibaba/ServeGen``, Apache-2.0; Xiang et al., "ServeGen: Workload
+Characterization of Large Language Model Serving in Production", arXiv:2505.09999)
+publishes, for two language models (``m-large``, ``m-small``) over 14 days, per client:
+
+- ``chunk-<client>-trace.csv`` (no header): one row per 600 s window, ``timestamp``
+  (window start, 0 = 00:00 of day 0), ``rate`` (req/s), ``cv``, ``pat_name``
+  (``Weibull``, ``Gamma`` or empty when idle), ``pat_arg1``/``pat_arg2`` (shape and
+  scale of the fitted inter-arrival distribution);
+- ``chunk-<client>-dataset.json``: per 6-hour window start, the PMFs of
+  ``input_tokens`` and ``output_tokens`` (each a string ``{tokens: probability}``).
+  Some clients' files are absent from the shared snapshot; their requests take the
+  rate-weighted mix of the present clients' PMFs of the same 6-hour window.
+
+This module reads a model's tarball (``servegen_data_language_<model>.tar.gz``, read in
+place with :mod:`tarfile`) into dataclasses and samples :class:`TraceRequest` lists:
+
+- arrivals: per client, a renewal process whose gaps follow the client's fitted
+  distribution of the window in force (Weibull or Gamma with the fitted shape; the
+  scale rescaled so that the mean gap is ``1 / (rate * rate_scale)``; exponential, i.e.
+  Poisson, when a window has a rate but no fitted pattern). The process runs in
+  "operational time" (the integral of the rate), so it carries over window boundaries
+  instead of restarting at every window (a restart adds ``(cv^2 - 1) / 2`` arrivals per
+  window, a large bias for bursty clients at low scaled rates), idle windows get no
+  arrival, and each window's expected count is its rate times its length;
+- lengths: prompt and output tokens drawn *independently* from the client's PMFs of the
+  enclosing 6-hour window (ServeGen's own generator uses one uniform number for both,
+  which makes them perfectly rank-correlated), clipped to >= 1.
+
+A replay is written as a CSV in the Azure format that :func:`trace.read_trace` reads
+(``TIMESTAMP,ContextTokens,GeneratedTokens``, timestamps in plain seconds), so that the
+load generator and the benchmarks take it as ``--trace CSV``. Pure Python and numpy.
+
+    python -m batchpilot_runtime.replay.servegen --model m-large --day 3 --hours 0-24 \\
+        --target-rate 5.5 --seed 0 -o day.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import re
+import sys
+import tarfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from batchpilot_runtime.cli.args import positive_float, positive_int
+from batchpilot_runtime.replay.trace import TRACE_COLUMNS, TraceRequest
+
+# The shared data, where the project is checked out beside ../shared (as trace.SHARED_TRACE_PATH).
+SHARED_SERVEGEN_PATH = Path(__file__).resolve().parents[3] / ".." / "shared" / "traces" / "servegen"
+SERVEGEN_ENV = "BATCHPILOT_SERVEGEN"
+
+WINDOW_S = 600.0  # one row of a chunk-*-trace.csv
+LENGTH_WINDOW_S = 21600.0  # one key of a chunk-*-dataset.json (6 hours)
+DAY_S = 86400.0
+PATTERNS = ("Weibull", "Gamma", "")
+# generate_day refuses a replay expected to exceed this many requests unless told otherwise:
+# the raw m-large day is about 17 M requests (196 req/s), which wants rate_scale or a target rate.
+DEFAULT_MAX_REQUESTS = 5_000_000
+# Operational time (mean gaps) the arrival process runs before the replay starts, so that the
+# first arrivals are not those of a process that just restarted.
+_WARMUP_GAPS = 50.0
+
+_MEMBER = re.compile(r"(?:^|/)chunk-(\d+)-(trace\.csv|dataset\.json)$")
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+
+def default_servegen_dir() -> Path:
+    """$BATCHPILOT_SERVEGEN, else ``../shared/traces/servegen`` beside the project root."""
+    chosen = os.environ.get(SERVEGEN_ENV)
+    return Path(chosen) if chosen else SHARED_SERVEGEN_PATH
+
+
+def tarball_path(model: str, root: Path | str | None = None) -> Path:
+    return Path(root if root is not None else default_servegen_dir()) / f"servegen_data_language_{model}.tar.gz"
+
+
+def available_models(root: Path | str | None = None) -> list[str]:
+    folder = Path(root if root is not None else default_servegen_dir())
+    prefix, suffix = "servegen_data_language_", ".tar.gz"
+    return sorted(p.name[len(prefix) : -len(suffix)] for p in folder.glob(f"{prefix}*{suffix}"))
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalWindow:
+    """One 600 s window of a client: its rate and fitted inter-arrival distribution."""
+
+    start_s: float
+    rate_per_s: float
+    cv: float
+    pattern: str  # "Weibull", "Gamma", or "" (no fit: idle, or Poisson when rate > 0)
+    shape: float
+    scale: float
+
+
+@dataclass(frozen=True, eq=False)
+class TokenPMF:
+    """A probability mass function over token counts (``tokens`` ascending, ``probs`` sum to 1)."""
+
+    tokens: IntArray
+    probs: FloatArray
+    cdf: FloatArray = field(repr=False)
+
+    @classmethod
+    def from_arrays(cls, tokens: npt.ArrayLike, probs: npt.ArrayLike) -> TokenPMF:
+        t = np.asarray(tokens, dtype=np.int64)
+        p = np.asarray(probs, dtype=np.float64)
+        if t.shape != p.shape or t.ndim != 1 or t.size == 0:
+            raise ValueError("a PMF needs as many probabilities as token counts, at least one")
+        if np.any(p < 0) or not np.all(np.isfinite(p)) or p.sum() <= 0:
+            raise ValueError("PMF probabilities must be finite, >= 0 and not all 0")
+        order = np.argsort(t, kind="stable")
+        t, p = t[order], p[order]
+        if t.size > 1 and np.any(t[1:] == t[:-1]):
+            unique, inverse = np.unique(t, return_inverse=True)
+            t, p = unique.astype(np.int64), np.bincount(inverse, weights=p).astype(np.float64)
+        p = p / p.sum()
+        return cls(t, p, np.cumsum(p))
+
+    @classmethod
+    def parse(cls, text: str) -> TokenPMF | None:
+        """``"{31: 0.004, 32: 0.055}"`` (ServeGen's format; JSON keys quoted or not); None when empty."""
+        body = text.strip().removeprefix("{").removesuffix("}").replace('"', "").strip()
+        if not body:
+            return None
+        numbers = np.array(body.replace(":", ",").split(","), dtype=np.float64)
+        if numbers.size % 2:
+            raise ValueError(f"malformed PMF {text[:60]!r}")
+        return cls.from_arrays(np.rint(numbers[0::2]), numbers[1::2])
+
+    def quantile(self, q: float) -> int:
+        index = int(np.searchsorted(self.cdf, q * self.cdf[-1], side="left"))
+        return int(self.tokens[min(index, self.tokens.size - 1)])
+
+    def mean(self) -> float:
+        return float(np.dot(self.tokens, self.probs))
+
+    def sample(self, rng: np.random.Generator, n: int) -> IntArray:
+        index = np.searchsorted(self.cdf, rng.random(n) * self.cdf[-1], side="right")
+        drawn: IntArray = self.tokens[np.minimum(index, self.tokens.size - 1)]
+        return drawn
+
+
+@dataclass(frozen=True)
+class LengthWindow:
+    """A client's token-length PMFs for one 6-hour window (None: no data for that window)."""
+
+    start_s: float
+    input_tokens: TokenPMF | None
+    output_tokens: TokenPMF | None
+
+
+@dataclass(frozen=True)
+class ServeGenClient:
+    """One client: its 600 s arrival windows and, unless its dataset file is absent, its
+    6-hour length windows (index ``i`` starts at ``i * 21600`` s)."""
+
+    client_id: int
+    windows: tuple[ArrivalWindow, ...]
+    lengths: tuple[LengthWindow, ...] | None
+
+    def mean_rate(self, start_s: float, end_s: float) -> float:
+        """Mean requests/s of this client over ``[start_s, end_s)``."""
+        if end_s <= start_s:
+            return 0.0
+        total = 0.0
+        first = max(0, int(start_s // WINDOW_S))
+        last = min(len(self.windows), math.ceil(end_s / WINDOW_S))
+        for w in self.windows[first:last]:
+            overlap = min(end_s, w.start_s + WINDOW_S) - max(start_s, w.start_s)
+            if overlap > 0:
+                total += w.rate_per_s * overlap
+        return total / (end_s - start_s)
+
+    def length_window(self, start_s: float) -> LengthWindow | None:
+        if self.lengths is None:
+            return None
+        index = int(start_s // LENGTH_WINDOW_S)
+        return self.lengths[index] if 0 <= index < len(self.lengths) else None
+
+
+@dataclass(eq=False)
+class ServeGenData:
+    """A model's clients as read from its tarball."""
+
+    model: str
+    source: Path
+    clients: tuple[ServeGenClient, ...]
+    days: int
+    _mixes: dict[int, LengthWindow] = field(default_factory=dict, repr=False)
+
+    @property
+    def absent_clients(self) -> list[int]:
+        """Clients whose dataset file (token lengths) is absent from the snapshot."""
+        return [c.client_id for c in self.clients if c.lengths is None]
+
+    def mix(self, start_s: float) -> LengthWindow:
+        """The rate-weighted mix of the present clients' PMFs in the 6-hour window containing
+        ``start_s`` (what a client without its own PMFs gets); PMFs None if no client has any."""
+        index = int(start_s // LENGTH_WINDOW_S)
+        cached = self._mixes.get(index)
+        if cached is None:
+            begin = index * LENGTH_WINDOW_S
+            pmfs: dict[str, list[tuple[float, TokenPMF]]] = {"input": [], "output": []}
+            for client in self.clients:
+                lw = client.length_window(begin)
+                if lw is None:
+                    continue
+                weight = client.mean_rate(begin, begin + LENGTH_WINDOW_S)
+                if lw.input_tokens is not None:
+                    pmfs["input"].append((weight, lw.input_tokens))
+                if lw.output_tokens is not None:
+                    pmfs["output"].append((weight, lw.output_tokens))
+            cached = LengthWindow(begin, _mix_pmfs(pmfs["input"]), _mix_pmfs(pmfs["output"]))
+            self._mixes[index] = cached
+        return cached
+
+    def pmfs_for(self, client: ServeGenClient, start_s: float) -> tuple[TokenPMF | None, TokenPMF | None]:
+        """(input, output) PMFs for a request of ``client`` at ``start_s``: the client's own for
+        that 6-hour window, else the mix of the present clients."""
+        own = client.length_window(start_s)
+        mix: LengthWindow | None = None
+        if own is None or own.input_tokens is None or own.output_tokens is None:
+            mix = self.mix(start_s)
+        pin = own.input_tokens if own is not None and own.input_tokens is not None else None
+        pout = own.output_tokens if own is not None and own.output_tokens is not None else None
+        if mix is not None:
+            pin = pin if pin is not None else mix.input_tokens
+            pout = pout if pout is not None else mix.output_tokens
+        return pin, pout
+
+
+def _mix_pmfs(weighted: Sequence[tuple[float, TokenPMF]]) -> TokenPMF | None:
+    if not weighted:
+        return None
+    weights = np.array([w for w, _ in weighted], dtype=np.float64)
+    if not weights.sum() > 0:
+        weights = np.ones_like(weights)  # nobody sent anything in that window: plain average
+    tokens = np.concatenate([p.tokens for _, p in weighted])
+    probs = np.concatenate([p.probs * w for w, (_, p) in zip(weights, weighted, strict=True)])
+    if not probs.sum() > 0:
+        return None
+    return TokenPMF.from_arrays(tokens, probs)
+
+
+def _read_windows(text: str, where: str) -> tuple[ArrivalWindow, ...]:
+    rows: dict[int, ArrivalWindow] = {}
+    for line_no, row in enumerate(csv.reader(io.StringIO(text)), start=1):
+        if not row or not "".join(row).strip():
+            continue
+        try:
+            if len(row) < 6:
+                raise ValueError(f"expected 6 columns (timestamp,rate,cv,pat_name,pat_arg1,pat_arg2), got {len(row)}")
+            start, rate = float(row[0]), float(row[1])
+            pattern = row[3].strip()
+            if pattern not in PATTERNS:
+                raise ValueError(f"unknown pattern {pattern!r}; expected Weibull, Gamma or empty")
+            cv = float(row[2]) if row[2].strip() else math.nan
+            shape = float(row[4]) if row[4].strip() else math.nan
+            scale = float(row[5]) if row[5].strip() else math.nan
+            if not (math.isfinite(rate) and rate >= 0):
+                raise ValueError(f"rate must be >= 0, got {row[1]}")
+            if pattern and rate > 0 and not (shape > 0):
+                raise ValueError(f"{pattern} shape must be > 0, got {row[4]}")
+            index = round(start / WINDOW_S)
+            if index < 0 or abs(index * WINDOW_S - start) > 1e-6:
+                raise ValueError(f"timestamp {row[0]} is not the start of a 600 s window")
+        except ValueError as error:
+            raise ValueError(f"{where}:{line_no}: {error}") from None
+        rows[index] = ArrivalWindow(index * WINDOW_S, rate, cv, pattern, shape, scale)
+    count = max(rows) + 1 if rows else 0
+    return tuple(rows.get(i, ArrivalWindow(i * WINDOW_S, 0.0, math.nan, "", math.nan, math.nan)) for i in range(count))
+
+
+def _read_lengths(raw: bytes, where: str, count: int) -> tuple[LengthWindow, ...]:
+    try:
+        document = json.loads(raw)
+        if not isinstance(document, Mapping):
+            raise ValueError("expected an object keyed by 6-hour window start")
+        by_index: dict[int, LengthWindow] = {}
+        for key, fields in document.items():
+            start = float(key)
+            index = round(start / LENGTH_WINDOW_S)
+            if index < 0 or abs(index * LENGTH_WINDOW_S - start) > 1e-6:
+                raise ValueError(f"key {key} is not the start of a 6-hour window")
+            pin = TokenPMF.parse(str(fields.get("input_tokens", "{}")))
+            pout = TokenPMF.parse(str(fields.get("output_tokens", "{}")))
+            by_index[index] = LengthWindow(index * LENGTH_WINDOW_S, pin, pout)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(f"{where}: {error}") from None
+    count = max(count, max(by_index) + 1 if by_index else 0)
+    return tuple(by_index.get(i, LengthWindow(i * LENGTH_WINDOW_S, None, None)) for i in range(count))
+
+
+def load_servegen(model: str = "m-large", root: Path | str | None = None) -> ServeGenData:
+    """Read ``servegen_data_language_<model>.tar.gz`` from ``root`` (default
+    :func:`default_servegen_dir`) without extracting it."""
+    folder = Path(root if root is not None else default_servegen_dir())
+    path = tarball_path(model, folder)
+    if not path.exists():
+        if not folder.is_dir():
+            raise ValueError(f"no ServeGen data folder {folder} (set ${SERVEGEN_ENV} or pass the folder)")
+        known = ", ".join(available_models(folder)) or "none"
+        raise ValueError(f"unknown ServeGen model {model!r}: no {path.name} in {folder} (available: {known})")
+    traces: dict[int, str] = {}
+    datasets: dict[int, bytes] = {}
+    prefix = f"data/language/{model}/"
+    with tarfile.open(path, "r:*") as archive:
+        for member in archive:
+            if not member.isfile():
+                continue
+            name = member.name.removeprefix("./")
+            match = _MEMBER.search(name)
+            if match is None or not name.startswith(prefix):
+                continue
+            handle = archive.extractfile(member)
+            if handle is None:
+                continue
+            data = handle.read()
+            if match.group(2) == "trace.csv":
+                traces[int(match.group(1))] = data.decode()
+            else:
+                datasets[int(match.group(1))] = data
+    if not traces:
+        raise ValueError(f"{path}: no {prefix}chunk-*-trace.csv member")
+    clients = []
+    n_lengths = 0
+    windows_by_client = {
+        cid: _read_windows(traces[cid], f"{path.name}:{prefix}chunk-{cid}-trace.csv") for cid in traces
+    }
+    n_windows = max(len(w) for w in windows_by_client.values())
+    n_lengths = math.ceil(n_windows * WINDOW_S / LENGTH_WINDOW_S)
+    for cid in sorted(traces):
+        windows = windows_by_client[cid]
+        if len(windows) < n_windows:
+            pad = (
+                ArrivalWindow(i * WINDOW_S, 0.0, math.nan, "", math.nan, math.nan)
+                for i in range(len(windows), n_windows)
+            )
+            windows = (*windows, *pad)
+        lengths = None
+        if cid in datasets:
+            lengths = _read_lengths(datasets[cid], f"{path.name}:{prefix}chunk-{cid}-dataset.json", n_lengths)
+        clients.append(ServeGenClient(cid, windows, lengths))
+    days = int(n_windows * WINDOW_S // DAY_S)
+    if days < 1:
+        raise ValueError(f"{path}: the traces cover {n_windows * WINDOW_S:g} s, less than a day")
+    return ServeGenData(model=model, source=path, clients=tuple(clients), days=days)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _unit_gaps(rng: np.random.Generator, pattern: str, shape: float, n: int) -> FloatArray:
+    """``n`` inter-arrival gaps of mean 1 with the pattern's shape (the fitted scale rescaled)."""
+    if pattern == "Gamma":
+        return rng.gamma(shape, 1.0 / shape, n)
+    if pattern == "Weibull":
+        return rng.weibull(shape, n) / math.gamma(1.0 + 1.0 / shape)
+    return rng.exponential(1.0, n)
+
+
+def _client_arrivals(
+    client: ServeGenClient, start_s: float, end_s: float, rate_scale: float, rng: np.random.Generator
+) -> FloatArray:
+    """Absolute arrival times of one client in ``[start_s, end_s)`` (see the module docstring)."""
+    first = max(0, int(start_s // WINDOW_S))
+    last = min(len(client.windows), math.ceil(end_s / WINDOW_S))
+    spans: list[tuple[float, float, float, str, float]] = []  # t0, t1, scaled rate, pattern, shape
+    for w in client.windows[first:last]:
+        t0, t1 = max(start_s, w.start_s), min(end_s, w.start_s + WINDOW_S)
+        if t1 > t0 and w.rate_per_s > 0:
+            spans.append((t0, t1, w.rate_per_s * rate_scale, w.pattern, w.shape))
+    if not spans:
+        return np.empty(0, dtype=np.float64)
+    # Warm up from -_WARMUP_GAPS in operational time with the first active window's law.
+    _, _, _, pattern, shape = spans[0]
+    position = -_WARMUP_GAPS
+    while True:
+        steps = np.cumsum(_unit_gaps(rng, pattern, shape, 64))
+        ahead = np.nonzero(position + steps >= 0.0)[0]
+        if ahead.size:
+            nxt = float(position + steps[ahead[0]])
+            break
+        position += float(steps[-1])
+    out: list[FloatArray] = []
+    lam = 0.0  # operational time at the start of the current span
+    for t0, t1, rate, pattern, shape in spans:
+        lam_end = lam + rate * (t1 - t0)
+        if nxt < lam_end:
+            taus = [np.array([nxt])]
+            current = nxt
+            while True:
+                need = max(16, int(1.25 * (lam_end - current)) + 16)
+                steps = current + np.cumsum(_unit_gaps(rng, pattern, shape, need))
+                beyond = np.nonzero(steps >= lam_end)[0]
+                if beyond.size:
+                    taus.append(steps[: beyond[0]])
+                    nxt = float(steps[beyond[0]])
+                    break
+                taus.append(steps)
+                current = float(steps[-1])
+            window_taus = np.concatenate(taus)
+            out.append(t0 + (window_taus - lam) / rate)
+        lam = lam_end
+    return np.concatenate(out) if out else np.empty(0, dtype=np.float64)
+
+
+def _check_span(data: ServeGenData, day: int, start_s: float, duration_s: float) -> tuple[float, float]:
+    if isinstance(day, bool) or not isinstance(day, int) or not 0 <= day < data.days:
+        raise ValueError(f"day {day!r} out of range: {data.model} has {data.days} days (0..{data.days - 1})")
+    if not (math.isfinite(start_s) and 0 <= start_s < DAY_S):
+        raise ValueError(f"start_s must be in [0, 86400) seconds into the day, got {start_s}")
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    begin = day * DAY_S + start_s
+    end = begin + duration_s
+    if end > data.days * DAY_S + 1e-9:
+        raise ValueError(
+            f"the replay (day {day}, {start_s:g} s + {duration_s:g} s) runs past the end of the data ({data.days} days)"
+        )
+    return begin, end
+
+
+def select_clients(data: ServeGenData, begin_s: float, end_s: float, max_clients: int | None) -> list[ServeGenClient]:
+    """The clients with traffic in ``[begin_s, end_s)``, busiest first, at most ``max_clients``."""
+    rated = [(c.mean_rate(begin_s, end_s), c) for c in data.clients]
+    rated = [(r, c) for r, c in rated if r > 0]
+    rated.sort(key=lambda rc: (-rc[0], rc[1].client_id))
+    chosen = rated if max_clients is None else rated[:max_clients]
+    return [c for _, c in chosen]
+
+
+def raw_mean_rate(data: ServeGenData, begin_s: float, end_s: float, max_clients: int | None = None) -> float:
+    """Mean requests/s of the (selected) clients over ``[begin_s, end_s)`` of the raw data."""
+    return sum(c.mean_rate(begin_s, end_s) for c in select_clients(data, begin_s, end_s, max_clients))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What :func:`generate_replay` made and how: the requests and the scaling it used."""
+
+    requests: list[TraceRequest]
+    model: str
+    day: int
+    start_s: float
+    duration_s: float
+    rate_scale: float
+    raw_mean_rate_per_s: float
+    clients: int
+    seed: int
+
+    @property
+    def expected_rate_per_s(self) -> float:
+        return self.raw_mean_rate_per_s * self.rate_scale
+
+    def describe(self) -> str:
+        return (
+            f"ServeGen {self.model} day {self.day} {self.start_s / 3600:g}h..{(self.start_s + self.duration_s) / 3600:g}h, "
+            f"{self.clients} clients, rates x{self.rate_scale:.4g} "
+            f"(raw {self.raw_mean_rate_per_s:.4g} req/s -> {self.expected_rate_per_s:.4g} req/s), seed {self.seed}"
+        )
+
+
+def generate_replay(
+    data: ServeGenData,
+    day: int,
+    start_s: float = 0.0,
+    duration_s: float = DAY_S,
+    rate_scale: float = 1.0,
+    seed: int = 0,
+    *,
+    target_mean_rate_per_s: float | None = None,
+    max_clients: int | None = None,
+    max_requests: int | None = DEFAULT_MAX_REQUESTS,
+) -> Replay:
+    """:func:`generate_day`, also returning the scaling it used."""
+    begin, end = _check_span(data, day, start_s, duration_s)
+    if not (math.isfinite(rate_scale) and rate_scale > 0):
+        raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    if target_mean_rate_per_s is not None:
+        if rate_scale != 1.0:
+            raise ValueError("give either rate_scale or target_mean_rate_per_s, not both")
+        if not (math.isfinite(target_mean_rate_per_s) and target_mean_rate_per_s > 0):
+            raise ValueError(f"target_mean_rate_per_s must be > 0, got {target_mean_rate_per_s}")
+    if max_clients is not None and max_clients < 1:
+        raise ValueError(f"max_clients must be >= 1, got {max_clients}")
+    clients = select_clients(data, begin, end, max_clients)
+    raw = sum(c.mean_rate(begin, end) for c in clients)
+    if target_mean_rate_per_s is not None:
+        if raw <= 0:
+            raise ValueError(f"{data.model} day {day} has no traffic in the chosen span: no rate to scale")
+        rate_scale = target_mean_rate_per_s / raw
+    expected = raw * rate_scale * (end - begin)
+    if max_requests is not None and expected > max_requests:
+        raise ValueError(
+            f"the replay would hold about {expected:,.0f} requests (raw {raw:.4g} req/s x{rate_scale:g} over "
+            f"{end - begin:g} s), more than max_requests={max_requests:,}: lower rate_scale, set "
+            "target_mean_rate_per_s or shorten the span"
+        )
+    times: list[FloatArray] = []
+    prompts: list[IntArray] = []
+    outputs: list[IntArray] = []
+    for client in clients:
+        arrivals = _client_arrivals(client, begin, end, rate_scale, np.random.default_rng([seed, client.client_id, 0]))
+        if arrivals.size == 0:
+            continue
+        length_rng = np.random.default_rng([seed, client.client_id, 1])
+        prompt = np.ones(arrivals.size, dtype=np.int64)
+        output = np.ones(arrivals.size, dtype=np.int64)
+        window_index = (arrivals // LENGTH_WINDOW_S).astype(np.int64)
+        for index in np.unique(window_index):
+            chosen = window_index == index
+            n = int(chosen.sum())
+            pin, pout = data.pmfs_for(client, float(index) * LENGTH_WINDOW_S)
+            if pin is None or pout is None:
+                raise ValueError(
+                    f"{data.model}: no client has token lengths for the 6-hour window starting at "
+                    f"{float(index) * LENGTH_WINDOW_S:g} s"
+                )
+            # Two separate uniform streams: input and output lengths are independent.
+            prompt[chosen] = pin.sample(length_rng, n)
+            output[chosen] = pout.sample(length_rng, n)
+        times.append(arrivals)
+        prompts.append(np.maximum(prompt, 1))
+        outputs.append(np.maximum(output, 1))
+    requests: list[TraceRequest] = []
+    if times:
+        all_times = np.concatenate(times) - begin
+        order = np.argsort(all_times, kind="stable")
+        all_prompts = np.concatenate(prompts)[order]
+        all_outputs = np.concatenate(outputs)[order]
+        requests = [
+            TraceRequest(t, p, o)
+            for t, p, o in zip(all_times[order].tolist(), all_prompts.tolist(), all_outputs.tolist(), strict=True)
+        ]
+    return Replay(requests, data.model, day, start_s, duration_s, rate_scale, raw, len(clients), seed)
+
+
+def generate_day(
+    data: ServeGenData,
+    day: int,
+    start_s: float = 0.0,
+    duration_s: float = DAY_S,
+    rate_scale: float = 1.0,
+    seed: int = 0,
+    *,
+    target_mean_rate_per_s: float | None = None,
+    max_clients: int | None = None,
+    max_requests: int | None = DEFAULT_MAX_REQUESTS,
+) -> list[TraceRequest]:
+    """Sample the requests of ``[start_s, start_s + duration_s)`` of ``day`` (0-based), sorted,
+    ``arrival_s`` relative to the start of the replay; deterministic for a seed.
+
+    ``rate_scale`` multiplies every client's rate; ``target_mean_rate_per_s`` (instead) picks
+    the scale that makes the expected mean rate over the span equal the target (the realized
+    rate varies around it, more for bursty spans). ``max_clients`` keeps only the busiest
+    clients of the span (their raw rates; the target, if any, then applies to them alone).
+    ``max_requests`` refuses replays expected to be larger (None: no limit)."""
+    return generate_replay(
+        data,
+        day,
+        start_s,
+        duration_s,
+        rate_scale,
+        seed,
+        target_mean_rate_per_s=target_mean_rate_per_s,
+        max_clients=max_clients,
+        max_requests=max_requests,
+    ).requests
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """One 6-hour window of a model: total mean rate and the request-weighted length quantiles."""
+
+    day: int
+    start_s: float  # seconds into the day
+    mean_rate_per_s: float
+    prompt_p50: int
+    prompt_p99: int
+    output_p50: int
+    output_p99: int
+    token_coverage: float  # share of the rate from clients whose own PMFs are present
+
+
+def describe(data: ServeGenData, day: int | None = None) -> list[WindowStats]:
+    """Per 6-hour window (of ``day``, or of every day): mean rate and prompt/output P50/P99 of
+    the rate-weighted mix (absent clients take the present clients' mix, so it is that mix)."""
+    days = range(data.days) if day is None else [day]
+    if day is not None:
+        _check_span(data, day, 0.0, DAY_S)
+    per_day = int(DAY_S // LENGTH_WINDOW_S)
+    stats = []
+    for d in days:
+        for k in range(per_day):
+            begin = d * DAY_S + k * LENGTH_WINDOW_S
+            end = begin + LENGTH_WINDOW_S
+            total = covered = 0.0
+            for client in data.clients:
+                rate = client.mean_rate(begin, end)
+                total += rate
+                lw = client.length_window(begin)
+                if lw is not None and lw.input_tokens is not None and lw.output_tokens is not None:
+                    covered += rate
+            mix = data.mix(begin)
+            pin, pout = mix.input_tokens, mix.output_tokens
+            stats.append(
+                WindowStats(
+                    day=d,
+                    start_s=k * LENGTH_WINDOW_S,
+                    mean_rate_per_s=total,
+                    prompt_p50=pin.quantile(0.5) if pin else 0,
+                    prompt_p99=pin.quantile(0.99) if pin else 0,
+                    output_p50=pout.quantile(0.5) if pout else 0,
+                    output_p99=pout.quantile(0.99) if pout else 0,
+                    token_coverage=covered / total if total > 0 else 0.0,
+                )
+            )
+    return stats
+
+
+def prompt_drift(data: ServeGenData) -> list[float]:
+    """Per day: the largest 6-hour prompt P50 over the smallest (1.0 when a day lacks data)."""
+    ratios = []
+    for d in range(data.days):
+        p50s = [s.prompt_p50 for s in describe(data, d) if s.prompt_p50 > 0]
+        ratios.append(max(p50s) / min(p50s) if p50s else 1.0)
+    return ratios
+
+
+def drifting_day(data: ServeGenData) -> int:
+    """The day whose 6-hour prompt P50s differ most (largest max/min ratio within the day)."""
+    ratios = prompt_drift(data)
+    return max(range(len(ratios)), key=lambda d: (ratios[d], -d))
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    requests: int
+    duration_s: float
+    mean_rate_per_s: float
+    peak_10min_rate_per_s: float
+    prompt_p50: float
+    prompt_p99: float
+    output_p50: float
+    output_p99: float
+
+
+def summarize(requests: Sequence[TraceRequest], duration_s: float) -> ReplaySummary:
+    """Counts, rates and length quantiles of a replay spanning ``duration_s`` seconds."""
+    if not requests:
+        return ReplaySummary(0, duration_s, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    arrivals = np.array([r.arrival_s for r in requests])
+    prompts = np.array([r.prompt_tokens for r in requests])
+    outputs = np.array([r.output_tokens for r in requests])
+    bins = np.bincount((arrivals // WINDOW_S).astype(np.int64))
+    return ReplaySummary(
+        requests=len(requests),
+        duration_s=duration_s,
+        mean_rate_per_s=len(requests) / duration_s,
+        peak_10min_rate_per_s=float(bins.max()) / min(WINDOW_S, duration_s),
+        prompt_p50=float(np.percentile(prompts, 50)),
+        prompt_p99=float(np.percentile(prompts, 99)),
+        output_p50=float(np.percentile(outputs, 50)),
+        output_p99=float(np.percentile(outputs, 99)),
+    )
+
+
+def write_trace_csv(requests: Sequence[TraceRequest], path: Path | str) -> Path:
+    """Write ``TIMESTAMP,ContextTokens,GeneratedTokens`` (TIMESTAMP in plain seconds from the
+    replay's start, microsecond resolution), the format :func:`trace.read_trace` reads. Note
+    that ``read_trace`` counts time from the first request, not from the replay's start."""
+    path = Path(path)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(TRACE_COLUMNS)
+        for r in requests:
+            writer.writerow((f"{r.arrival_s:.6f}", r.prompt_tokens, r.output_tokens))
+    return path
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _hours(text: str) -> tuple[float, float]:
+    parts = text.split("-")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        first, last = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START-END in hours, e.g. 0-24 or 18-22, got {text!r}") from None
+    if not (0 <= first < last <= 24):
+        raise argparse.ArgumentTypeError(f"need 0 <= START < END <= 24, got {text!r}")
+    return first, last
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="m-large", help="ServeGen language model: m-large or m-small")
+    parser.add_argument("--data", type=Path, help=f"folder of the tarballs (default ${SERVEGEN_ENV} or ../shared)")
+    parser.add_argument("--day", type=int, help="0-based day (default: the day whose prompt lengths drift most)")
+    parser.add_argument("--hours", type=_hours, default=(0.0, 24.0), help="span of the day, START-END (default 0-24)")
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument("--target-rate", type=positive_float, help="mean requests/s of the replay (scales all rates)")
+    rate.add_argument("--rate-scale", type=positive_float, default=1.0, help="multiply every client's rate")
+    parser.add_argument("--max-clients", type=positive_int, help="keep only the N busiest clients of the span")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-o", "--output", type=Path, help="write the replay as an Azure-format CSV (--trace CSV)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add a ``servegen`` subcommand (for a CLI that lists this module among its subcommands)."""
+    parser = subparsers.add_parser("servegen", help="sample a day-long replay from Alibaba ServeGen statistics")
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    data = load_servegen(args.model, args.data)
+    day = drifting_day(data) if args.day is None else args.day
+    first, last = args.hours
+    replay = generate_replay(
+        data,
+        day,
+        start_s=first * 3600.0,
+        duration_s=(last - first) * 3600.0,
+        rate_scale=args.rate_scale if args.target_rate is None else 1.0,
+        seed=args.seed,
+        target_mean_rate_per_s=args.target_rate,
+        max_clients=args.max_clients,
+    )
+    summary = summarize(replay.requests, replay.duration_s)
+    windows = describe(data, day)
+    if args.output is not None:
+        write_trace_csv(replay.requests, args.output)
+    if args.json:
+        report = {
+            "replay": replay.describe(),
+            "rate_scale": replay.rate_scale,
+            "raw_mean_rate_per_s": replay.raw_mean_rate_per_s,
+            "summary": summary.__dict__,
+            "six_hour_windows_raw": [w.__dict__ for w in windows],
+            "output": None if args.output is None else str(args.output),
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    print(replay.describe())
+    print(
+        f"{summary.requests} requests, {summary.mean_rate_per_s:.3f} req/s "
+        f"(peak 10 min {summary.peak_10min_rate_per_s:.3f}); prompt P50 {summary.prompt_p50:g} "
+        f"P99 {summary.prompt_p99:g}; output P50 {summary.output_p50:g} P99 {summary.output_p99:g}"
+    )
+    print("raw 6-hour windows of the day: start  req/s  prompt P50/P99  output P50/P99  token coverage")
+    for w in windows:
+        print(
+            f"  {w.start_s / 3600:4.0f}h {w.mean_rate_per_s:8.1f} {w.prompt_p50:7d}/{w.prompt_p99:<7d} "
+            f"{w.output_p50:6d}/{w.output_p99:<6d} {w.token_coverage:6.0%}"
+        )
+    if args.output is not None:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m batchpilot_runtime.replay.servegen",
+        description="Sample a day-long request replay from the Alibaba ServeGen statistics (Apache-2.0, arXiv:2505.09999).",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError) as error:
+        print(f"servegen: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

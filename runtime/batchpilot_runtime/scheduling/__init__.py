@@ -1,0 +1,1 @@
+"""Scheduling: the pure, clock-injected continuous-batching scheduler and its KV-block bookkeeping."""
