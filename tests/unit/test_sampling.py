@@ -44,6 +44,13 @@ def test_a_row_does_not_depend_on_its_neighbours() -> None:
         assert together[1] == alone[0]
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(top_p: float) -> None:
+    # 5e-324 rounds to 0 in float32: the nucleus was empty, and sampling raised on NaN probabilities.
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    assert torch.equal(top_p_filter(probs, top_p), torch.tensor([0.0, 1.0, 0.0]))
+
+
 def test_top_p_keeps_only_the_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     assert top_p_filter(probs, 0.7).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])

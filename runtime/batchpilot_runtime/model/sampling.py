@@ -60,7 +60,11 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         return probs
     sorted_probs, sorted_ids = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
-    sorted_probs = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    keep = mass_before < top_p
+    # Kept whatever the comparison says: a top_p below float32's smallest value (5e-324 rounds to 0)
+    # would otherwise keep nothing and divide by zero.
+    keep[0] = True
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     kept = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
     return kept / kept.sum()
 
