@@ -39,6 +39,12 @@ BLOCKER = textwrap.dedent(
 OPERATOR_FORBIDDEN = "torch,transformers,fastapi,uvicorn,starlette,safetensors,matplotlib"
 RUNTIME_FORBIDDEN = "kopf,kubernetes,prometheus_api_client,kmock"
 CONTRACT_FORBIDDEN = "torch,fastapi,uvicorn,starlette,kopf,kubernetes"
+# The pure parts: tuning, the status they report, the simulator and the scheduler do no I/O.
+PURE_FORBIDDEN = "torch,httpx,aiohttp,requests,kopf,kubernetes,kmock,prometheus_api_client,fastapi,uvicorn,starlette"
+PURE_MODULES = (
+    "batchpilot_operator.tuning.*,batchpilot_operator.sim.*,batchpilot_operator.control.status,"
+    "batchpilot_runtime.scheduling.*"
+)
 CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.contract.window,batchpilot_runtime.contract.admin_api,batchpilot_runtime.contract.metric_names,batchpilot_runtime.replay.trace"
 
 
@@ -58,6 +64,7 @@ def _run(forbidden: str, targets: str, skip: str = "") -> subprocess.CompletedPr
         pytest.param(OPERATOR_FORBIDDEN, "batchpilot_operator.*", id="operator-without-torch"),
         pytest.param(RUNTIME_FORBIDDEN, "batchpilot_runtime.*", id="runtime-without-kopf"),
         pytest.param(CONTRACT_FORBIDDEN, CONTRACT_MODULES, id="contract-without-torch-or-web"),
+        pytest.param(PURE_FORBIDDEN, PURE_MODULES, id="pure-parts-without-io"),
     ],
 )
 def test_import_boundary(forbidden: str, targets: str) -> None:

@@ -115,25 +115,6 @@ class Observations:
             if known(value) and value < 0:
                 raise ValueError(f"observations.{name} must be >= 0 or NaN, got {value}")
 
-    @classmethod
-    def from_quantiles(
-        cls,
-        p50_s: float,
-        p99_s: float,
-        p999_s: float,
-        upper_bounds: Sequence[float] = LATENCY_BUCKETS_S,
-        **others: float,
-    ) -> Observations:
-        """Observations whose saturation flags are derived from where the quantiles fall."""
-        return cls(
-            p50_s=p50_s,
-            p99_s=p99_s,
-            p999_s=p999_s,
-            p99_saturated=is_saturated(p99_s, upper_bounds),
-            p999_saturated=is_saturated(p999_s, upper_bounds),
-            **others,  # type: ignore[arg-type]
-        )
-
     def with_(self, **changes: object) -> Observations:
         return replace(self, **changes)  # type: ignore[arg-type]
 

@@ -101,7 +101,6 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, WindowBounds
-from batchpilot_operator.api.profile import Decision as StatusDecision
 from batchpilot_operator.tuning.friendliness import CLASS_CAP_CEILING, FriendlinessEstimate, measure, merge_curve
 from batchpilot_operator.tuning.observations import Observations, known
 from batchpilot_runtime.contract.window import Window
@@ -176,10 +175,6 @@ class Decision:
     @property
     def changed(self) -> bool:
         return self.direction in ("up", "down", "reset")
-
-    def to_status(self, at: str) -> StatusDecision:
-        """The status block's ``lastDecision`` (``at``: RFC 3339 time of the decision)."""
-        return StatusDecision(time=at, direction=self.direction, reason=self.reason)
 
 
 def allowed_step(old: float, fraction: float, min_step: float) -> float:

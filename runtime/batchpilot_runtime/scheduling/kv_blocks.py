@@ -130,6 +130,3 @@ class KVBlockManager:
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables
-
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self._tables.get(request_id, ()))
