@@ -12,6 +12,8 @@ from batchpilot_runtime.contract.window import CamelModel, Window
 
 ADMIN_WINDOW_PATH = "/admin/window"
 LANE_HEADER = "X-Batchpilot-Lane"
+# The lane of the main window: every request not sent to a named lane waits here.
+DEFAULT_LANE = "default"
 
 
 class LaneWindow(CamelModel):

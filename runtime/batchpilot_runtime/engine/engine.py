@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from batchpilot_runtime.contract.admin_api import LaneWindow, PodCapacity, WindowState, WindowUpdate
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow, PodCapacity, WindowState, WindowUpdate
 from batchpilot_runtime.contract.window import MAX_BATCH_SIZE, Window
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
 from batchpilot_runtime.model.device import pick_device
@@ -39,7 +39,6 @@ from batchpilot_runtime.model.sampling import SamplingParams, make_generator, sa
 from batchpilot_runtime.model.tokenizer import Tokenizer, load_tokenizer
 from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens
 from batchpilot_runtime.scheduling.scheduler import (
-    DEFAULT_LANE,
     QueueFullError,
     RequestOutput,
     RequestRejected,
@@ -122,7 +121,7 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    lane: str = "default"
+    lane: str = DEFAULT_LANE
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ and the discrete-event simulator run this very code. One step is::
 Exactly one ``update_from_output`` per plan, before the next ``schedule``.
 
 Lanes and slots
-    Every request waits in one lane. The lane ``"default"`` uses the main ``window``; named lanes
+    Every request waits in one lane. The lane ``DEFAULT_LANE`` uses the main ``window``; named lanes
     (``LaneWindow``) have their own window and ``reserved_slots``. The main window's ``hardCap`` is
     the pod's global cap G on running sequences, whatever their lane. Let R be all running
     sequences, r_L those of lane L, and held = sum over named lanes M of max(0, min(reserved_M,
@@ -110,11 +110,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.scheduling.kv_blocks import KVBlockManager, blocks_for_tokens
 
-DEFAULT_LANE = "default"
 ADMISSION_REASONS = ("target", "wait", "tail", "cap")
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
 # Below this P50 a tail threshold would mark nearly every request that waits at all.

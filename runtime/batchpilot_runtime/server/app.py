@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.types import Receive, Scope, Send
 
-from batchpilot_runtime.contract.admin_api import LANE_HEADER
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.engine.engine import (
     EngineStoppedError,
     GenerationRequest,
@@ -455,7 +455,7 @@ def _generation_request(
             param="model",
             kind="not_found_error",
         )
-    lane = body.lane or lane_header or "default"
+    lane = body.lane or lane_header or DEFAULT_LANE
     if lane not in ctx.lanes:
         raise ApiError(
             400, f"lane: unknown lane '{lane}'; this server has {', '.join(sorted(ctx.lanes))}", param="lane"

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from batchpilot_runtime.contract.admin_api import LaneWindow
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 
@@ -75,8 +75,8 @@ def parse_lane(spec: str, default_window: Window) -> LaneWindow:
     name = name.strip()
     if not sep or not name:
         raise ValueError(f"--lane {spec!r}: expected NAME:target=N,cap=N,wait=MS[,tail=R][,reserved=N]")
-    if name == "default":
-        raise ValueError("--lane: 'default' is the main window; set it with --target-batch-size etc.")
+    if name == DEFAULT_LANE:
+        raise ValueError(f"--lane: {DEFAULT_LANE!r} is the main window; set it with --target-batch-size etc.")
     values: dict[str, float | int] = {
         "target_batch_size": default_window.target_batch_size,
         "hard_cap": default_window.hard_cap,

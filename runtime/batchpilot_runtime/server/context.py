@@ -9,15 +9,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from batchpilot_runtime.contract.admin_api import WindowState
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, WindowState
 from batchpilot_runtime.server.metrics import MetricsExporter
 
 if TYPE_CHECKING:
     from batchpilot_runtime.engine.engine import AsyncEngine
 
 logger = logging.getLogger("batchpilot.server")
-
-DEFAULT_LANE = "default"
 
 
 class TextCodec(Protocol):

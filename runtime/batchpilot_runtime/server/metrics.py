@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batchpilot_runtime.contract import metric_names as mn
-from batchpilot_runtime.contract.admin_api import WindowState
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, WindowState
 
 if TYPE_CHECKING:
     from batchpilot_runtime.engine.watchdog import EngineHealth
@@ -37,7 +37,7 @@ def normalize_outcome(outcome: str) -> str:
 class MetricsExporter:
     """Owns one registry holding every runtime metric, all labelled with this pod's model."""
 
-    def __init__(self, model_name: str, lanes: Iterable[str] = ("default",)) -> None:
+    def __init__(self, model_name: str, lanes: Iterable[str] = (DEFAULT_LANE,)) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self._histograms: dict[str, Histogram] = {}

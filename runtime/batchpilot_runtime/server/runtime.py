@@ -25,6 +25,7 @@ from typing import cast
 
 import uvicorn
 
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE
 from batchpilot_runtime.server.admin import create_admin_app
 from batchpilot_runtime.server.app import create_serving_app
 from batchpilot_runtime.server.config import ServeConfig
@@ -123,7 +124,7 @@ class Runtime:
         self.config = config
         self._build = build
         token, self.admin_token_file = load_admin_token(config.admin_token_file)
-        self.metrics = MetricsExporter(config.model_name, ["default", *(lane.name for lane in config.lanes)])
+        self.metrics = MetricsExporter(config.model_name, [DEFAULT_LANE, *(lane.name for lane in config.lanes)])
         self.ctx = ServingContext(model_name=config.model_name, metrics=self.metrics, admin_token=token)
         self.info: RuntimeInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
