@@ -8,6 +8,7 @@ import re
 import pytest
 
 from batchpilot_operator.io import promql
+from batchpilot_operator.io.exposition import parse_exposition
 from batchpilot_operator.io.observe import (
     HistogramWindow,
     MetricsBuilder,
@@ -15,7 +16,7 @@ from batchpilot_operator.io.observe import (
     lookup,
     to_observations,
 )
-from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes, parse_exposition
+from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
 from batchpilot_runtime.contract import metric_names as rm
 
 

@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from batchpilot_operator.demo.results import (
     DecisionRecord,
     Histogram,
@@ -26,6 +24,7 @@ from batchpilot_operator.demo.results import (
     WindowSnapshot,
     round_figure,
 )
+from batchpilot_operator.io.exposition import bucket_bound, counter_increase, parse_exposition
 from batchpilot_operator.tuning.observations import histogram_quantile
 from batchpilot_runtime.contract import metric_names as rm
 
@@ -104,32 +103,28 @@ def snapshot_from_exposition(text: str, model: str, at_s: float) -> Snapshot:
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
     histograms: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if labels.get(rm.LABEL_MODEL) != model or not math.isfinite(sample.value):
-                continue
-            name = sample.name
-            if name.endswith("_bucket") and name.removesuffix("_bucket") in _HISTOGRAMS:
-                histogram = name.removesuffix("_bucket")
-                if histogram == rm.BATCH_SIZE:
-                    histogram = f"{histogram}:{labels.get(rm.LABEL_PHASE, '')}"
-                bound = float(labels.get("le", "nan"))
-                if not math.isnan(bound):
-                    buckets = histograms.setdefault(histogram, {})
-                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
-            elif name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _HISTOGRAMS:
-                histogram, suffix = name.rsplit("_", 1)
-                if histogram == rm.BATCH_SIZE:
-                    histogram = f"{histogram}:{labels.get(rm.LABEL_PHASE, '')}"
-                key = f"{histogram}_{suffix}"
-                counters[key] = counters.get(key, 0.0) + sample.value
-            elif name in _GAUGES:
-                gauges[name] = sample.value
-            elif name in _COUNTERS:
-                label = labels.get(rm.LABEL_OUTCOME) or labels.get(rm.LABEL_REASON)
-                key = f"{name}:{label}" if label else name
-                counters[key] = counters.get(key, 0.0) + sample.value
+    for (name, label_items), value in parse_exposition(text).items():
+        labels = dict(label_items)
+        if labels.get(rm.LABEL_MODEL) != model or not math.isfinite(value):
+            continue
+        if (histogram_bound := bucket_bound(name, labels, _HISTOGRAMS)) is not None:
+            histogram, bound = histogram_bound
+            if histogram == rm.BATCH_SIZE:
+                histogram = f"{histogram}:{labels.get(rm.LABEL_PHASE, '')}"
+            buckets = histograms.setdefault(histogram, {})
+            buckets[bound] = buckets.get(bound, 0.0) + value
+        elif name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _HISTOGRAMS:
+            histogram, suffix = name.rsplit("_", 1)
+            if histogram == rm.BATCH_SIZE:
+                histogram = f"{histogram}:{labels.get(rm.LABEL_PHASE, '')}"
+            key = f"{histogram}_{suffix}"
+            counters[key] = counters.get(key, 0.0) + value
+        elif name in _GAUGES:
+            gauges[name] = value
+        elif name in _COUNTERS:
+            label = labels.get(rm.LABEL_OUTCOME) or labels.get(rm.LABEL_REASON)
+            key = f"{name}:{label}" if label else name
+            counters[key] = counters.get(key, 0.0) + value
     return Snapshot(at_s, gauges, counters, histograms)
 
 
@@ -144,9 +139,7 @@ def histogram_between(before: Snapshot | None, after: Snapshot, name: str) -> Hi
     bounds = sorted(b for b in now if math.isfinite(b))
     cumulative = []
     for bound in [*bounds, math.inf]:
-        current = now.get(bound, 0.0)
-        previous = then.get(bound, 0.0)
-        cumulative.append(current - previous if current >= previous else current)
+        cumulative.append(counter_increase(now.get(bound, 0.0), then.get(bound, 0.0)))
     for i in range(1, len(cumulative)):
         cumulative[i] = max(cumulative[i], cumulative[i - 1])
     counts = [cumulative[0], *(b - a for a, b in pairwise(cumulative))]
@@ -180,8 +173,8 @@ def share_at_most(histogram: Histogram, bound_s: float) -> float | None:
 
 def mean_between(before: Snapshot, after: Snapshot, histogram: str) -> float | None:
     """Mean observation of a histogram between two snapshots, from its ``_sum`` and ``_count``."""
-    count = counter_increase(before, after, f"{histogram}_count")
-    total = counter_increase(before, after, f"{histogram}_sum")
+    count = increase_between(before, after, f"{histogram}_count")
+    total = increase_between(before, after, f"{histogram}_sum")
     return total / count if count > 0 else None
 
 
@@ -213,7 +206,7 @@ def build_series(snapshots: Sequence[Snapshot], slo_histogram: str, window_s: fl
         before = _trailing(snapshots, index, window_s)
         latency = histogram_between(before, now, slo_histogram)
         span_s = now.at_s - before.at_s
-        tokens = now.counter(rm.GENERATED_TOKENS_TOTAL) - before.counter(rm.GENERATED_TOKENS_TOTAL)
+        tokens = increase_between(before, now, rm.GENERATED_TOKENS_TOTAL)
         series.t_s.append(round(now.at_s - start_s, 2))
         series.p50_ms.append(quantile_ms(latency, 0.5))
         series.p99_ms.append(quantile_ms(latency, 0.99))
@@ -221,7 +214,7 @@ def build_series(snapshots: Sequence[Snapshot], slo_histogram: str, window_s: fl
         series.queue_depth.append(_gauge(now, rm.QUEUE_DEPTH))
         series.running.append(_gauge(now, rm.RUNNING_SEQUENCES))
         series.kv_usage.append(_gauge(now, rm.KV_CACHE_USAGE_RATIO))
-        series.tokens_per_s.append(round_figure(max(0.0, tokens) / span_s) if span_s > 0 else None)
+        series.tokens_per_s.append(round_figure(tokens / span_s) if span_s > 0 else None)
         series.target_batch_size.append(_gauge(now, rm.WINDOW_TARGET_BATCH_SIZE))
         series.hard_cap.append(_gauge(now, rm.WINDOW_HARD_CAP))
         series.max_wait_ms.append(_gauge(now, rm.WINDOW_MAX_WAIT_SECONDS, 1000.0))
@@ -231,16 +224,16 @@ def build_series(snapshots: Sequence[Snapshot], slo_histogram: str, window_s: fl
     return series
 
 
-def counter_increase(before: Snapshot, after: Snapshot, key: str) -> float:
-    now, then = after.counter(key), before.counter(key)
-    return now - then if now >= then else now
+def increase_between(before: Snapshot, after: Snapshot, key: str) -> float:
+    """Increase of counter ``key`` between two snapshots (a runtime restart in between counts as a reset)."""
+    return counter_increase(after.counter(key), before.counter(key))
 
 
 def outcomes_between(before: Snapshot, after: Snapshot) -> dict[str, int]:
     """``batchpilot_requests_total`` increase by outcome."""
     outcomes = after.counters_with_prefix(rm.REQUESTS_TOTAL)
     return {
-        outcome: round(counter_increase(before, after, f"{rm.REQUESTS_TOTAL}:{outcome}"))
+        outcome: round(increase_between(before, after, f"{rm.REQUESTS_TOTAL}:{outcome}"))
         for outcome in sorted(outcomes)
     }
 
@@ -272,7 +265,7 @@ def summarize_model_phase(
     latency = histogram_between(first, last, slo_histogram)
     e2e = histogram_between(first, last, rm.REQUEST_LATENCY_SECONDS)
     span_s = last.at_s - first.at_s
-    tokens = counter_increase(first, last, rm.GENERATED_TOKENS_TOTAL)
+    tokens = increase_between(first, last, rm.GENERATED_TOKENS_TOTAL)
     tokens_per_s = tokens / span_s if span_s > 0 else None
     met = share_at_most(latency, slo_p99_ms / 1000.0)
     itl = histogram_between(first, last, rm.INTER_TOKEN_SECONDS)
@@ -292,7 +285,7 @@ def summarize_model_phase(
         mean_decode_batch_size=round_figure(mean_between(first, last, DECODE_BATCH)),
         kv_usage_max=peak(series.kv_usage),
         queue_depth_max=peak(series.queue_depth),
-        preemptions=round(counter_increase(first, last, rm.PREEMPTIONS_TOTAL)),
+        preemptions=round(increase_between(first, last, rm.PREEMPTIONS_TOTAL)),
         decisions=sum(1 for d in decisions if d.model == model and d.direction in CHANGE_DIRECTIONS),
         window_start=first.window(),
         window_end=last.window(),

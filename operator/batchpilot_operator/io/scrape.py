@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from batchpilot_operator.io.exposition import SeriesKey, bucket_bound, counter_increase, parse_exposition
 from batchpilot_operator.io.observe import (
     LATENCY_HISTOGRAMS,
     MetricsBuilder,
@@ -46,9 +46,6 @@ _COUNTERS = {
 }
 _GAUGES = {rm.QUEUE_DEPTH: "queue_depth", rm.RUNNING_SEQUENCES: "running", rm.KV_CACHE_USAGE_RATIO: "kv_usage"}
 
-# (series name, sorted label pairs) -> value
-SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
-
 # A runtime's exposition is about 250 KiB (four latency histograms of ~65 buckets per lane, the step-time
 # histogram per phase and batch bucket); 8 MiB leaves room for many lanes and stops a runaway answer.
 MAX_METRICS_BYTES = 8 << 20
@@ -58,21 +55,6 @@ MAX_METRICS_BYTES = 8 << 20
 class Scrape:
     at_s: float
     series: dict[SeriesKey, float]
-
-
-def parse_exposition(text: str) -> dict[SeriesKey, float]:
-    """Every sample of a Prometheus text exposition, keyed by name and labels."""
-    series: dict[SeriesKey, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            series[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
-    return series
-
-
-def _increase(now: float, before: float | None) -> float:
-    if before is None or now < before:
-        return now  # new series, or a restart reset the counter
-    return now - before
 
 
 def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: MetricsBuilder, namespace: str = "") -> None:
@@ -92,13 +74,10 @@ def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: Metric
             continue
         if span_s <= 0:
             continue  # a first scrape: no rates yet
-        rate = _increase(value, previous.get((name, label_items))) / span_s
-        if name.endswith("_bucket") and name.removesuffix("_bucket") in _HISTOGRAM_TO_SLO:
-            try:
-                bound = float(labels.get("le", "nan"))
-            except ValueError:
-                continue
-            builder.add_bucket(key, _HISTOGRAM_TO_SLO[name.removesuffix("_bucket")], bound, rate)
+        rate = counter_increase(value, previous.get((name, label_items))) / span_s
+        if (histogram_bound := bucket_bound(name, labels, _HISTOGRAM_TO_SLO)) is not None:
+            histogram, bound = histogram_bound
+            builder.add_bucket(key, _HISTOGRAM_TO_SLO[histogram], bound, rate)
         elif name in _COUNTERS:
             builder.add_rate(key, _COUNTERS[name], rate, labels.get(rm.LABEL_REASON, ""))
         elif name.startswith(rm.BATCH_SIZE) and labels.get(rm.LABEL_PHASE) == "decode":
