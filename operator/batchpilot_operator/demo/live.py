@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
 from batchpilot_operator.demo.results import format_figure, round_figure
-from batchpilot_operator.demo.series import SLO_HISTOGRAMS, Snapshot, histogram_between, quantile_ms
+from batchpilot_operator.demo.series import Snapshot, histogram_between, quantile_ms
+from batchpilot_operator.io.observe import SLO_LATENCY_HISTOGRAMS
 from batchpilot_runtime.contract import metric_names as rm
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def model_figures(before: Snapshot | None, latest: Snapshot | None, latency_metr
     shown = f"{window.target_batch_size}/{window.hard_cap}/{format_figure(window.max_wait_ms)} ms" if window else "—"
     if window is not None and window.max_prefill_tokens is not None:
         shown += f"/{window.max_prefill_tokens}"
-    latency = histogram_between(before, latest, SLO_HISTOGRAMS[latency_metric]) if before is not None else None
+    latency = histogram_between(before, latest, SLO_LATENCY_HISTOGRAMS[latency_metric]) if before is not None else None
     span_s = latest.at_s - before.at_s if before is not None else 0.0
     tokens = (
         latest.counter(rm.GENERATED_TOKENS_TOTAL) - before.counter(rm.GENERATED_TOKENS_TOTAL)

@@ -25,17 +25,12 @@ from batchpilot_operator.demo.results import (
     round_figure,
 )
 from batchpilot_operator.io.exposition import bucket_bound, counter_increase, parse_exposition
+from batchpilot_operator.io.observe import LATENCY_HISTOGRAMS, SLO_LATENCY_HISTOGRAMS
 from batchpilot_operator.tuning.observations import histogram_quantile
 from batchpilot_runtime.contract import metric_names as rm
 
-# The SLO's latencyMetric -> the runtime histogram it reads (as the operator maps it).
-SLO_HISTOGRAMS: dict[str, str] = {
-    "ttft": rm.TTFT_SECONDS,
-    "queueWait": rm.QUEUE_WAIT_SECONDS,
-    "e2e": rm.REQUEST_LATENCY_SECONDS,
-}
 DECODE_BATCH = f"{rm.BATCH_SIZE}:decode"
-_HISTOGRAMS = frozenset({*SLO_HISTOGRAMS.values(), rm.BATCH_SIZE, rm.INTER_TOKEN_SECONDS})
+_HISTOGRAMS = frozenset({*LATENCY_HISTOGRAMS.values(), rm.BATCH_SIZE})
 _GAUGES = frozenset(
     {
         rm.QUEUE_DEPTH,
@@ -261,7 +256,7 @@ def summarize_model_phase(
     if len(snapshots) < 2:
         raise ValueError(f"model {model}: a phase needs a snapshot at its start and one at its end")
     first, last = snapshots[0], snapshots[-1]
-    slo_histogram = SLO_HISTOGRAMS[latency_metric]
+    slo_histogram = SLO_LATENCY_HISTOGRAMS[latency_metric]
     latency = histogram_between(first, last, slo_histogram)
     e2e = histogram_between(first, last, rm.REQUEST_LATENCY_SECONDS)
     span_s = last.at_s - first.at_s

@@ -13,12 +13,7 @@ usual ``kubernetes-pods`` relabelling both add it).
 
 from __future__ import annotations
 
-from batchpilot_runtime.contract.metric_names import (
-    QUEUE_WAIT_SECONDS,
-    REQUEST_LATENCY_SECONDS,
-    TTFT_SECONDS,
-    MetricSpec,
-)
+from batchpilot_runtime.contract.metric_names import MetricSpec
 
 LABEL_NAMESPACE = "namespace"
 LABEL_PROFILE = "profile"
@@ -132,13 +127,6 @@ OPERATOR_METRICS: tuple[MetricSpec, ...] = (
         (LABEL_OUTCOME,),
     ),
 )
-
-# The runtime's latency histogram behind each spec.slo.latencyMetric value.
-LATENCY_METRIC_HISTOGRAMS = {
-    "ttft": TTFT_SECONDS,
-    "queueWait": QUEUE_WAIT_SECONDS,
-    "e2e": REQUEST_LATENCY_SECONDS,
-}
 
 
 def all_series_names() -> frozenset[str]:

@@ -19,14 +19,15 @@ from batchpilot_operator.tuning.observations import Observations, histogram_quan
 from batchpilot_runtime.contract import metric_names as rm
 
 INTER_TOKEN = "interToken"
-# The latency histograms the operator reads, by name: the SLO's latencyMetric picks one of the
-# first three; the inter-token histogram is read for every profile (slo.interTokenP99Ms).
-LATENCY_HISTOGRAMS: dict[str, str] = {
+# The runtime's latency histogram behind each spec.slo.latencyMetric value.
+SLO_LATENCY_HISTOGRAMS: dict[str, str] = {
     "ttft": rm.TTFT_SECONDS,
     "queueWait": rm.QUEUE_WAIT_SECONDS,
     "e2e": rm.REQUEST_LATENCY_SECONDS,
-    INTER_TOKEN: rm.INTER_TOKEN_SECONDS,
 }
+# The latency histograms the operator reads, by name: the SLO's latencyMetric picks one of the
+# first three; the inter-token histogram is read for every profile (slo.interTokenP99Ms).
+LATENCY_HISTOGRAMS: dict[str, str] = {**SLO_LATENCY_HISTOGRAMS, INTER_TOKEN: rm.INTER_TOKEN_SECONDS}
 
 # A (namespace, model) pair. Sources that see no namespace label use "".
 ModelKey = tuple[str, str]
