@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
 from batchpilot_operator.demo.results import format_figure, round_figure
-from batchpilot_operator.demo.series import Snapshot, histogram_between, quantile_ms
+from batchpilot_operator.demo.series import Snapshot, histogram_between, increase_between, quantile_ms
 from batchpilot_operator.io.observe import SLO_LATENCY_HISTOGRAMS
 from batchpilot_runtime.contract import metric_names as rm
 
@@ -74,11 +74,7 @@ def model_figures(before: Snapshot | None, latest: Snapshot | None, latency_metr
         shown += f"/{window.max_prefill_tokens}"
     latency = histogram_between(before, latest, SLO_LATENCY_HISTOGRAMS[latency_metric]) if before is not None else None
     span_s = latest.at_s - before.at_s if before is not None else 0.0
-    tokens = (
-        latest.counter(rm.GENERATED_TOKENS_TOTAL) - before.counter(rm.GENERATED_TOKENS_TOTAL)
-        if before is not None
-        else 0.0
-    )
+    tokens = increase_between(before, latest, rm.GENERATED_TOKENS_TOTAL) if before is not None else 0.0
     return ModelFigures(
         window=shown,
         p50_ms=quantile_ms(latency, 0.5) if latency is not None else None,
