@@ -239,7 +239,7 @@ class WindowBounds(CamelModel):
         ),
     )
 
-    def contains(self, window: WindowFields) -> list[str]:
+    def fields_outside(self, window: WindowFields) -> list[str]:
         """Names of the window fields that lie outside these bounds (empty when all inside)."""
         outside = []
         if not self.target_batch_size.contains(window.target_batch_size):
@@ -400,7 +400,7 @@ class BatchProfileSpec(CamelModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> BatchProfileSpec:
-        outside = self.tuning.bounds.contains(self.window)
+        outside = self.tuning.bounds.fields_outside(self.window)
         if outside:
             names = ", ".join(f"window.{name}" for name in outside)
             raise ValueError(

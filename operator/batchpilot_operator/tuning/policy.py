@@ -455,7 +455,7 @@ def decide(
         return Decision(window, "hold", reason, new_state, estimate)
 
     # 2. Bounds win over everything, including the cooldown.
-    if bounds.contains(window) or window.target_batch_size > window.hard_cap:
+    if bounds.fields_outside(window) or window.target_batch_size > window.hard_cap:
         clamped = _clamp_into_bounds(window, bounds).with_generation(window.generation + 1)
         return Decision(
             clamped,
