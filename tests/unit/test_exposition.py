@@ -70,7 +70,14 @@ def test_counter_increase(now: float, before: float | None, expected: float) -> 
     assert counter_increase(now, before) == expected
 
 
-@pytest.mark.parametrize(("before", "after"), [((10, 10, 10), (10, 30, 30)), ((100, 100, 100), (4, 20, 20))])
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        pytest.param((10, 10, 10), (10, 30, 30), id="grew"),
+        pytest.param((100, 100, 100), (4, 20, 20), id="restart"),
+        pytest.param((5, 50, 50), (10, 40, 60), id="one-bucket-reset-made-monotone"),
+    ],
+)
 def test_scraping_source_and_demo_read_the_same_quantile_from_the_same_counters(
     before: tuple[int, int, int], after: tuple[int, int, int]
 ) -> None:

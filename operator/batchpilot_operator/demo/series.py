@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 from batchpilot_operator.demo.results import (
     DecisionRecord,
@@ -25,7 +24,7 @@ from batchpilot_operator.demo.results import (
     round_figure,
 )
 from batchpilot_operator.io.exposition import bucket_bound, counter_increase, parse_exposition
-from batchpilot_operator.io.observe import LATENCY_HISTOGRAMS, SLO_LATENCY_HISTOGRAMS
+from batchpilot_operator.io.observe import LATENCY_HISTOGRAMS, SLO_LATENCY_HISTOGRAMS, histogram_from_buckets
 from batchpilot_operator.tuning.observations import histogram_quantile
 from batchpilot_runtime.contract import metric_names as rm
 
@@ -127,18 +126,16 @@ def histogram_between(before: Snapshot | None, after: Snapshot, name: str) -> Hi
     """Observations of histogram ``name`` between two snapshots, per bucket.
 
     A bucket that went down means the runtime restarted: its current value is the
-    increase, as Prometheus assumes for counters.
+    increase, as Prometheus assumes for counters. The increments are made monotone as the
+    operator's metric sources do (:func:`~batchpilot_operator.io.observe.histogram_from_buckets`).
     """
     now = after.histograms.get(name, {})
     then = before.histograms.get(name, {}) if before is not None else {}
     bounds = sorted(b for b in now if math.isfinite(b))
-    cumulative = []
-    for bound in [*bounds, math.inf]:
-        cumulative.append(counter_increase(now.get(bound, 0.0), then.get(bound, 0.0)))
-    for i in range(1, len(cumulative)):
-        cumulative[i] = max(cumulative[i], cumulative[i - 1])
-    counts = [cumulative[0], *(b - a for a, b in pairwise(cumulative))]
-    return Histogram(upper_bounds=bounds, counts=counts)
+    increments = histogram_from_buckets(
+        {bound: counter_increase(now.get(bound, 0.0), then.get(bound)) for bound in [*bounds, math.inf]}
+    )
+    return Histogram(upper_bounds=bounds, counts=list(increments.per_bucket))
 
 
 def quantile_ms(histogram: Histogram, q: float) -> float | None:

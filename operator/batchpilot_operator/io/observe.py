@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from batchpilot_operator.tuning.observations import Observations, histogram_quantile, is_saturated
 from batchpilot_runtime.contract import metric_names as rm
@@ -53,6 +54,11 @@ class HistogramWindow:
     def count(self) -> float:
         return self.cumulative[-1] if self.cumulative else 0.0
 
+    @property
+    def per_bucket(self) -> tuple[float, ...]:
+        """Observations in each bucket (not cumulative), the ``+Inf`` bucket last."""
+        return tuple(b - a for a, b in pairwise((0.0, *self.cumulative)))
+
     def quantile(self, q: float) -> Quantile:
         """Prometheus's histogram_quantile on these increments (linear within a bucket).
 
@@ -62,10 +68,9 @@ class HistogramWindow:
         if not self.cumulative or not math.isfinite(self.count) or self.count <= 0:
             return Quantile(None)
         finite = tuple(b for b in self.upper_bounds if not math.isinf(b))
-        per_bucket = [self.cumulative[0], *(b - a for a, b in zip(self.cumulative, self.cumulative[1:], strict=False))]
         if not finite:
             return Quantile(None, saturated=True)
-        value = histogram_quantile(q, finite, per_bucket)
+        value = histogram_quantile(q, finite, self.per_bucket)
         rank = q * self.count
         in_inf_bucket = self.cumulative[-2] < rank if len(self.cumulative) >= 2 else True
         return Quantile(finite_or_none(value), saturated=in_inf_bucket or is_saturated(value, finite))
