@@ -51,6 +51,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from batchpilot_operator.io.observe import finite_or_none
     from batchpilot_operator.sim.runner import default_spec, load_profile_spec, plot_runs, run_policy, slo_p99_s
     from batchpilot_runtime.replay.cost_model import load_cost_model
     from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH, plan_replay, read_trace
@@ -96,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
             {
                 "t_s": p.t_s,
                 "arrival_rate_per_s": p.arrival_rate_per_s,
-                "p99_s": _finite(p.p99_s),
+                "p99_s": finite_or_none(p.p99_s),
                 "queue_depth": p.queue_depth,
                 "running": p.running,
                 "kv_usage_ratio": p.kv_usage_ratio,
@@ -111,10 +112,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_runs([run], slo_p99_s(spec), args.plot, f"{args.policy} on {trace_path.name} ({scaling.describe()})")
     return 0
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def json_safe(value: Any) -> Any:
