@@ -16,7 +16,8 @@ import statistics
 import time
 
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.scheduler import SchedRequest, Scheduler, SchedulerConfig
+from batchpilot_runtime.scheduling.scheduler import Scheduler
+from batchpilot_runtime.scheduling.types import SchedRequest, SchedulerConfig
 
 
 def measure_us_per_step(running: int, churn: bool, steps: int, seed: int = 0) -> float:

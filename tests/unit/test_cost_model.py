@@ -17,7 +17,7 @@ from batchpilot_runtime.replay.cost_model import (
     fit_cost_model,
     load_cost_model,
 )
-from batchpilot_runtime.scheduling.scheduler import ScheduledSeq
+from batchpilot_runtime.scheduling.types import ScheduledSeq
 
 
 def test_step_seconds_is_the_linear_sum() -> None:

@@ -23,7 +23,7 @@ from batchpilot_runtime.engine.engine import (
     StaleGenerationError,
     TokenEvent,
 )
-from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
+from batchpilot_runtime.scheduling.types import RequestTimings, StepStats
 
 VOCAB = 320
 KV_TOKENS = 64 * 16  # 64 blocks: the largest hardCap this engine accepts

@@ -9,7 +9,7 @@ from batchpilot_runtime.contract import metric_names as mn
 from batchpilot_runtime.contract.admin_api import LaneWindow, PodCapacity, WindowState
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.watchdog import EngineHealth
-from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
+from batchpilot_runtime.scheduling.types import RequestTimings, StepStats
 from batchpilot_runtime.server.metrics import MetricsExporter, normalize_outcome
 
 

@@ -9,12 +9,12 @@ import pytest
 
 from batchpilot_runtime.contract.admin_api import LaneWindow
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.scheduler import (
+from batchpilot_runtime.scheduling.scheduler import Scheduler
+from batchpilot_runtime.scheduling.types import (
     QueueFullError,
     RequestOutput,
     RequestRejected,
     SchedRequest,
-    Scheduler,
     SchedulerConfig,
     SeqStatus,
     StepPlan,

@@ -24,7 +24,8 @@ from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B, UNIT
 from batchpilot_runtime.replay.trace import TraceRequest
-from batchpilot_runtime.scheduling.scheduler import Scheduler, SchedulerConfig
+from batchpilot_runtime.scheduling.scheduler import Scheduler
+from batchpilot_runtime.scheduling.types import SchedulerConfig
 
 
 def make_config(**overrides: object) -> SimConfig:

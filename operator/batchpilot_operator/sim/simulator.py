@@ -32,13 +32,8 @@ from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
 from batchpilot_runtime.replay.trace import TraceRequest
 from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens
-from batchpilot_runtime.scheduling.scheduler import (
-    QueueFullError,
-    RequestRejected,
-    SchedRequest,
-    Scheduler,
-    SchedulerConfig,
-)
+from batchpilot_runtime.scheduling.scheduler import Scheduler
+from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, SchedRequest, SchedulerConfig
 
 # The token every simulated step "samples": never a stop token, so requests end by length.
 SYNTHETIC_TOKEN = 7

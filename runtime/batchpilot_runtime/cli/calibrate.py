@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from batchpilot_runtime.contract.window import Window
     from batchpilot_runtime.engine.engine import Engine
-    from batchpilot_runtime.model.model import ForwardBatch
+    from batchpilot_runtime.model.batch import ForwardBatch
     from batchpilot_runtime.replay.cost_model import StepComposition, fit_cost_model
     from batchpilot_runtime.scheduling.scheduler import SchedRequest
 

@@ -38,13 +38,13 @@ from batchpilot_runtime.model.model import ForwardBatch, LlamaModel, config_from
 from batchpilot_runtime.model.sampling import SamplingParams, make_generator, sample
 from batchpilot_runtime.model.tokenizer import Tokenizer, load_tokenizer
 from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens
-from batchpilot_runtime.scheduling.scheduler import (
+from batchpilot_runtime.scheduling.scheduler import Scheduler
+from batchpilot_runtime.scheduling.types import (
     QueueFullError,
     RequestOutput,
     RequestRejected,
     RequestTimings,
     SchedRequest,
-    Scheduler,
     SchedulerConfig,
     StepStats,
 )

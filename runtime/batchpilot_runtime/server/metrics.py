@@ -20,7 +20,7 @@ from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, WindowState
 
 if TYPE_CHECKING:
     from batchpilot_runtime.engine.watchdog import EngineHealth
-    from batchpilot_runtime.scheduling.scheduler import RequestTimings, StepStats
+    from batchpilot_runtime.scheduling.types import RequestTimings, StepStats
 
 EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Finish reasons and engine outcomes that count as a completed request.
