@@ -1,0 +1,86 @@
+"""One profile's :class:`StatusFacts`, a pure function of its record and its pods."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from batchpilot_operator.api.profile import PodsStatus, TuningMode, WindowInForce
+from batchpilot_operator.control import conditions
+from batchpilot_operator.control.conditions import SyncView
+from batchpilot_operator.control.records import PodRecord, ProfileRecord
+from batchpilot_operator.control.status import StatusFacts
+from batchpilot_operator.tuning import policy_memo
+from batchpilot_runtime.contract.window import Window
+
+
+def pods_window(record: ProfileRecord) -> Window | None:
+    """The window some pod of the profile was last seen running (recommend mode shows it)."""
+    for state in record.pod_states.values():
+        return state.window
+    return None
+
+
+def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFacts:
+    """What the status of ``record`` says, given its pods (all of them, Ready or not)."""
+    spec = record.spec
+    policy = policy_memo.to_status(record.policy_state, record.generation)
+    if spec is None:
+        ready, synced, metrics_available, slo_met = conditions.invalid_spec_facts(record.error)
+        return StatusFacts(
+            generation=record.generation,
+            ready=ready,
+            synced=synced,
+            metrics_available=metrics_available,
+            slo_met=slo_met,
+            policy=policy,
+        )
+    pods = pods
+    ready_pods = [p for p in pods if p.ready]
+    window = record.window
+    recommend = spec.tuning.mode == TuningMode.RECOMMEND
+    if recommend:
+        shown = pods_window(record)
+        synced_pods = [p for p in ready_pods if p.key in record.pod_states]
+    else:
+        shown = window
+        synced_pods = [
+            p
+            for p in ready_pods
+            if window is not None
+            and (state := record.pod_states.get(p.key)) is not None
+            and state.window.generation >= window.generation
+            and p.key not in record.pod_errors
+        ]
+    ready_keys = {p.key for p in ready_pods}
+    synced = conditions.synced_fact(
+        SyncView(
+            model=spec.model,
+            ready=len(ready_pods),
+            synced=len(synced_pods),
+            generation=window.generation if window else 0,
+            recommend=recommend,
+            sync_error=record.sync_error,
+            failures={pod: failure for pod, failure in record.pod_errors.items() if pod in ready_keys},
+            clamped=record.clamped,
+        )
+    )
+    obs = record.observations
+    return StatusFacts(
+        generation=record.generation,
+        window=WindowInForce(**shown.model_dump(), applied_at=None) if shown is not None else None,
+        observed=obs.to_status() if obs is not None else None,
+        pods=PodsStatus(
+            total=len(pods),
+            ready=len(ready_pods),
+            synced=len(synced_pods),
+            summary=f"{len(synced_pods)}/{len(ready_pods)}",
+        ),
+        last_decision=record.last_decision,
+        recommended_window=record.recommended,
+        friendliness=record.friendliness,
+        policy=policy,
+        ready=conditions.ready_fact(synced),
+        synced=synced,
+        metrics_available=record.metrics_fact,
+        slo_met=conditions.slo_fact(spec, obs),
+    )

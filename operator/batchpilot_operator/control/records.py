@@ -1,0 +1,148 @@
+"""The values the controller keeps: settings, profile and pod records, the tick's report, and the
+protocols of its metric source and sink. No behaviour beyond small derived properties."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from batchpilot_operator.api.profile import BatchProfileSpec, Decision
+from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
+from batchpilot_operator.control.status import ConditionFact
+from batchpilot_operator.io.observe import ModelKey, ModelMetrics
+from batchpilot_operator.tuning import policy as policy_mod
+from batchpilot_operator.tuning.observations import Observations
+from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState
+from batchpilot_runtime.contract.window import Window
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator settings. ``interval_override_s`` replaces every profile's intervalSeconds (tests use
+    sub-5-second intervals through it; the resource itself allows 5 s at least)."""
+
+    tick_s: float = 1.0
+    interval_override_s: float | None = None
+    scrape_interval_s: float = 15.0
+    default_token: str | None = None
+    # The namespaces whose pods may receive default_token (the operator's own, fleet-wide token); a pod
+    # elsewhere gets only its profile's Secret, or no request. Empty: default_token goes to no pod.
+    default_token_namespaces: frozenset[str] = frozenset()
+    stuck_after_s: float = 120.0  # liveness fails when no tick finished for this long
+    max_events_per_tick: int = 200  # a flood guard: 1,000 failing profiles must not DoS the API server
+    # A pod known to run the window in force is read back at most this often (0: every interval). Restarts
+    # are caught sooner anyway in kopf mode: a restarted pod turns Ready again and is pushed at once.
+    resync_s: float = 0.0
+
+
+class MetricsSource(Protocol):
+    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]: ...
+
+
+@dataclass(frozen=True)
+class ProfileRef:
+    namespace: str
+    name: str
+    uid: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class Sink(Protocol):
+    """Where status, events and decisions go: the Kubernetes API, or local mode's printer."""
+
+    async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None: ...
+
+    async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None: ...
+
+    async def read_secret(self, namespace: str, name: str, key: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """A runtime pod as the controller needs it. Local mode fills the URLs and model directly."""
+
+    namespace: str
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ip: str | None = None
+    ready: bool = False
+    admin_url: str | None = None
+    metrics_url: str | None = None
+    model: str | None = None
+    token: str | None = None
+    uid: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass
+class ProfileRecord:
+    ref: ProfileRef
+    generation: int | None
+    spec: BatchProfileSpec | None
+    error: str | None
+    status_written: dict[str, Any] = field(default_factory=dict)
+    window: Window | None = None
+    policy_state: policy_mod.PolicyState = field(default_factory=policy_mod.PolicyState)
+    last_slot: int | None = None
+    push_pending: bool = True
+    pod_states: dict[str, WindowState] = field(default_factory=dict)
+    pod_errors: dict[str, PodFailure] = field(default_factory=dict)
+    sync_error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
+    refused: dict[str, int] = field(default_factory=dict)
+    clamped: dict[str, str] = field(default_factory=dict)
+    last_decision: Decision | None = None
+    last_reason: str | None = None
+    recommended: Window | None = None
+    observations: Observations | None = None
+    metrics_fact: ConditionFact = PENDING_METRICS
+    friendliness: Any = None
+    invalid_reported_generation: int | None = None
+    evaluations: int = 0
+    pods_cache_key: tuple[int, int] | None = None
+    verified_s: dict[str, float] = field(default_factory=dict)
+    pods_cache: list[PodRecord] = field(default_factory=list)
+
+    @property
+    def model(self) -> str | None:
+        return self.spec.model if self.spec else None
+
+
+@dataclass
+class TickReport:
+    evaluated: int = 0
+    changed: int = 0
+    queries: int = 0
+    pushes: int = 0
+    push_failures: int = 0
+    status_patches: int = 0
+    status_failures: int = 0
+    seconds: float = 0.0
+    metrics_error: str | None = None
+
+
+def lanes_of(spec: BatchProfileSpec, generation: int) -> list[LaneWindow] | None:
+    if not spec.lanes:
+        return None
+    return [
+        LaneWindow(
+            name=lane.name, window=Window.from_fields(lane.window, generation), reserved_slots=lane.reserved_slots
+        )
+        for lane in spec.lanes
+    ]
+
+
+def window_from_status(status: Mapping[str, Any] | None) -> Window | None:
+    if not status or not isinstance(status.get("window"), Mapping):
+        return None
+    try:
+        raw = {k: v for k, v in status["window"].items() if k != "appliedAt"}
+        return Window.model_validate(raw)
+    except Exception:
+        return None
