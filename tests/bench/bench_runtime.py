@@ -43,8 +43,10 @@ import torch
 
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.engine import Engine, GenerationRequest
+from batchpilot_runtime.model.batch import ForwardBatch
+from batchpilot_runtime.model.config import config_from_name, describe
 from batchpilot_runtime.model.kv_cache import PagedKVCache
-from batchpilot_runtime.model.model import ForwardBatch, LlamaModel, config_from_name, describe
+from batchpilot_runtime.model.model import LlamaModel
 from batchpilot_runtime.model.tokenizer import ByteTokenizer
 from batchpilot_runtime.replay.trace import (
     DEFAULT_TRACE_PATH,

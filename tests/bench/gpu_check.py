@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from batchpilot_runtime.model.batch import ForwardBatch
+from batchpilot_runtime.model.config import config_from_name, describe
 from batchpilot_runtime.model.device import pick_device
 from batchpilot_runtime.model.kv_cache import PagedKVCache
-from batchpilot_runtime.model.model import ForwardBatch, LlamaModel, config_from_name, describe
+from batchpilot_runtime.model.model import LlamaModel
 
 BLOCK = 16
 

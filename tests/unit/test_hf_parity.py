@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchpilot_runtime.model.batch import ForwardBatch
+from batchpilot_runtime.model.config import PRESETS, LlamaConfig
 from batchpilot_runtime.model.kv_cache import PagedKVCache
-from batchpilot_runtime.model.model import PRESETS, ForwardBatch, LlamaConfig, LlamaModel
+from batchpilot_runtime.model.model import LlamaModel
 from tests.support.torch_fixtures import Seq, one_thread  # noqa: F401  (autouse fixture)
 
 transformers = pytest.importorskip("transformers")

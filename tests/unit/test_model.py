@@ -7,8 +7,10 @@ import random
 import pytest
 import torch
 
+from batchpilot_runtime.model.batch import ForwardBatch
+from batchpilot_runtime.model.config import PRESETS, LlamaConfig, config_from_name
 from batchpilot_runtime.model.kv_cache import PagedKVCache, bytes_per_token
-from batchpilot_runtime.model.model import PRESETS, ForwardBatch, LlamaConfig, LlamaModel, config_from_name
+from batchpilot_runtime.model.model import LlamaModel
 from tests.support.torch_fixtures import Seq, one_thread  # noqa: F401  (autouse fixture)
 
 BLOCK = 16

@@ -32,9 +32,11 @@ import torch
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow, PodCapacity, WindowState, WindowUpdate
 from batchpilot_runtime.contract.window import MAX_BATCH_SIZE, Window
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
+from batchpilot_runtime.model.batch import ForwardBatch
+from batchpilot_runtime.model.config import config_from_name
 from batchpilot_runtime.model.device import pick_device
 from batchpilot_runtime.model.kv_cache import PagedKVCache
-from batchpilot_runtime.model.model import ForwardBatch, LlamaModel, config_from_name
+from batchpilot_runtime.model.model import LlamaModel
 from batchpilot_runtime.model.sampling import SamplingParams, make_generator, sample
 from batchpilot_runtime.model.tokenizer import Tokenizer, load_tokenizer
 from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens

@@ -10,18 +10,26 @@ which the attention then masks out.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from batchpilot_runtime.model.model import LlamaConfig
+
+class KVShape(Protocol):
+    """What the cache needs to know of a model: three integers (LlamaConfig fits)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
-def bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
+def bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
     """Bytes of K plus V that one token occupies over all layers."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element_size
 
 
 class PagedKVCache:
@@ -33,7 +41,7 @@ class PagedKVCache:
 
     def __init__(
         self,
-        config: LlamaConfig,
+        shape: KVShape,
         num_blocks: int,
         block_size: int,
         device: torch.device | str,
@@ -43,14 +51,16 @@ class PagedKVCache:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        self.config = config
+        self.num_layers = shape.num_layers
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=dtype)
+        size = (self.num_layers, self.num_kv_heads, num_blocks * block_size, self.head_dim)
+        self.k = torch.zeros(size, device=self.device, dtype=dtype)
+        self.v = torch.zeros(size, device=self.device, dtype=dtype)
 
     @property
     def num_slots(self) -> int:
@@ -75,7 +85,7 @@ class PagedKVCache:
 
     @staticmethod
     def blocks_for_memory_fraction(
-        config: LlamaConfig,
+        shape: KVShape,
         block_size: int,
         fraction: float,
         device: torch.device | str,
@@ -93,7 +103,7 @@ class PagedKVCache:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
         free_bytes, _total_bytes = torch.cuda.mem_get_info(resolved)
-        blocks = int(free_bytes * fraction) // (bytes_per_token(config, dtype) * block_size)
+        blocks = int(free_bytes * fraction) // (bytes_per_token(shape, dtype) * block_size)
         if blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_fraction: {fraction} of {free_bytes} free bytes holds no block of {block_size} tokens"

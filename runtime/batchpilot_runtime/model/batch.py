@@ -1,0 +1,207 @@
+"""One engine step's input: scheduled sequences flattened into T token rows, plus attention groups.
+
+Index math runs on the CPU, then each tensor is copied once to the device. Attention groups are built
+here once per step and used by every layer (see attention.py for how they are computed over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+# Keys are padded, and values summed, in chunks of this many positions: a fixed GEMM depth, so that
+# padding a context with masked keys adds exact zeros instead of changing the summation order.
+KEY_CHUNK = 32
+# Query rows per sequence that ForwardBatch.build pads attention groups to; the model pads further
+# when that leaves an attention GEMM under attention.MIN_GEMM_ROWS rows (query rows x GQA group size).
+DEFAULT_MIN_QUERY_LEN = 2
+
+
+class SeqLike(Protocol):
+    """What ForwardBatch.build needs of a scheduled sequence (scheduler.ScheduledSeq fits)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def start_pos(self) -> int: ...
+    @property
+    def block_table(self) -> Sequence[int]: ...
+    @property
+    def sample(self) -> bool: ...
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose attention runs as one padded computation (built once per step, used by every layer).
+
+    Decode sequences share one group; prefill chunks are grouped by padded chunk length, so a
+    long prompt never pads the decode rows of the same step to its length.
+    """
+
+    query_rows: torch.Tensor  # [G, Lq] long: row in T of each query, T (a zero row) for padding
+    key_slots: torch.Tensor  # [G, Lk] long: cache slot of each key position (Lk a multiple of KEY_CHUNK)
+    mask: torch.Tensor  # [G, 1, Lq, Lk] bool: key visible to query (causal, within the context)
+    output_rows: torch.Tensor  # [n] long: flat index into G * Lq of each real query row
+    token_rows: torch.Tensor  # [n] long: row in T that output_rows[i] fills
+
+    @property
+    def query_len(self) -> int:
+        return int(self.query_rows.shape[1])
+
+    def to(self, device: torch.device) -> AttentionGroup:
+        """The same group with every tensor copied to ``device`` (without waiting for the copies)."""
+        return AttentionGroup(
+            query_rows=self.query_rows.to(device, non_blocking=True),
+            key_slots=self.key_slots.to(device, non_blocking=True),
+            mask=self.mask.to(device, non_blocking=True),
+            output_rows=self.output_rows.to(device, non_blocking=True),
+            token_rows=self.token_rows.to(device, non_blocking=True),
+        )
+
+
+@dataclass
+class ForwardBatch:
+    """One step's input, flattened: T token rows from B sequences, S of which sample."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: block * block_size + offset where each row's K/V goes
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [B] long: tokens in the KV cache after this step
+    query_starts: torch.Tensor  # [B+1] long: offsets of each sequence's rows in T
+    logits_indices: torch.Tensor  # [S] long: the row in T of each sampling sequence's last token
+    groups: list[AttentionGroup] = field(default_factory=list, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Sequence[SeqLike],
+        block_size: int,
+        device: torch.device | str,
+        min_query_len: int = DEFAULT_MIN_QUERY_LEN,
+    ) -> ForwardBatch:
+        """Flatten scheduled sequences into one batch (index math on the CPU, then one copy each to ``device``).
+
+        ``min_query_len``: queries of every attention group are padded to at least this many rows
+        (see LlamaModel.min_query_len for why).
+        """
+        if not seqs:
+            raise ValueError("seqs: a forward batch needs at least one sequence")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_starts = [0]
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        for index, seq in enumerate(seqs):
+            token_ids = seq.token_ids
+            start = seq.start_pos
+            table = seq.block_table
+            end = start + len(token_ids)
+            if not token_ids:
+                raise ValueError(f"seqs[{index}].token_ids: empty")
+            if start < 0:
+                raise ValueError(f"seqs[{index}].start_pos: must be >= 0, got {start}")
+            if len(table) * block_size < end:
+                raise ValueError(
+                    f"seqs[{index}].block_table: {len(table)} blocks of {block_size} cannot hold {end} tokens"
+                )
+            input_ids.extend(token_ids)
+            positions.extend(range(start, end))
+            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
+            query_starts.append(end - start + query_starts[-1])
+            context_lens.append(end)
+            if seq.sample:
+                logits_indices.append(query_starts[-1] - 1)
+
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = torch.tensor(
+            [list(seq.block_table) + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], dtype=torch.int32
+        )
+        target = torch.device(device)
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(target, non_blocking=True)
+
+        groups = _build_groups(query_starts, context_lens, block_tables, block_size, min_query_len)
+        return cls(
+            input_ids=move(torch.tensor(input_ids, dtype=torch.long)),
+            positions=move(torch.tensor(positions, dtype=torch.long)),
+            slot_mapping=move(torch.tensor(slots, dtype=torch.long)),
+            block_tables=move(block_tables),
+            context_lens=move(torch.tensor(context_lens, dtype=torch.long)),
+            query_starts=move(torch.tensor(query_starts, dtype=torch.long)),
+            logits_indices=move(torch.tensor(logits_indices, dtype=torch.long)),
+            groups=[group.to(target) for group in groups],
+        )
+
+
+def _build_groups(
+    query_starts: list[int],
+    context_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    min_query_len: int,
+) -> list[AttentionGroup]:
+    """Decode rows (and chunks as short) in one group; longer chunks grouped by power-of-two length."""
+    num_tokens = query_starts[-1]
+    buckets: dict[int, list[int]] = {}
+    for index in range(len(context_lens)):
+        query_len = query_starts[index + 1] - query_starts[index]
+        padded = max(min_query_len, 1 << (query_len - 1).bit_length())
+        buckets.setdefault(padded if query_len > min_query_len else min_query_len, []).append(index)
+    return [
+        _build_group(members, padded_len, query_starts, context_lens, block_tables, block_size, num_tokens)
+        for padded_len, members in sorted(buckets.items())
+    ]
+
+
+def _build_group(
+    members: list[int],
+    query_len: int,
+    query_starts: list[int],
+    context_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> AttentionGroup:
+    member_t = torch.tensor(members, dtype=torch.long)
+    starts = torch.tensor([query_starts[i] for i in members], dtype=torch.long)
+    lens = torch.tensor([query_starts[i + 1] - query_starts[i] for i in members], dtype=torch.long)
+    contexts = torch.tensor([context_lens[i] for i in members], dtype=torch.long)
+    # keys: padded to whole KEY_CHUNKs; positions past a table read block 0 and are masked
+    key_len = -(-max(context_lens[i] for i in members) // KEY_CHUNK) * KEY_CHUNK
+    table_blocks = -(-key_len // block_size)
+    tables = block_tables[member_t].long()
+    if tables.shape[1] < table_blocks:
+        tables = F.pad(tables, (0, table_blocks - tables.shape[1]))
+    offsets = torch.arange(block_size, dtype=torch.long)
+    key_slots = (tables[:, :table_blocks, None] * block_size + offsets).view(len(members), -1)[:, :key_len]
+    # queries: padded rows copy the last real query's view, so no row is fully masked
+    query_index = torch.arange(query_len, dtype=torch.long)
+    valid = query_index[None, :] < lens[:, None]
+    query_rows = torch.where(valid, starts[:, None] + query_index[None, :], num_tokens)
+    query_pos = torch.minimum(contexts[:, None] - lens[:, None] + query_index[None, :], contexts[:, None] - 1)
+    mask = torch.arange(key_len, dtype=torch.long)[None, None, :] <= query_pos[:, :, None]
+    flat_valid = valid.reshape(-1)
+    return AttentionGroup(
+        query_rows=query_rows,
+        key_slots=key_slots,
+        mask=mask.unsqueeze(1),
+        output_rows=torch.nonzero(flat_valid).view(-1),
+        token_rows=query_rows.reshape(-1)[flat_valid],
+    )
