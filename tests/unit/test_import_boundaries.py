@@ -45,6 +45,11 @@ PURE_MODULES = (
     "batchpilot_operator.tuning.*,batchpilot_operator.sim.*,batchpilot_operator.control.status,"
     "batchpilot_runtime.scheduling.*"
 )
+# The controller's core beside its loop: what exists, the conditions and the status facts do no I/O either.
+CONTROL_CORE_MODULES = (
+    "batchpilot_operator.control.records,batchpilot_operator.control.registry,"
+    "batchpilot_operator.control.conditions,batchpilot_operator.control.facts,batchpilot_operator.io.outcomes"
+)
 CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.contract.window,batchpilot_runtime.contract.admin_api,batchpilot_runtime.contract.metric_names,batchpilot_runtime.replay.trace"
 
 
@@ -65,6 +70,7 @@ def _run(forbidden: str, targets: str, skip: str = "") -> subprocess.CompletedPr
         pytest.param(RUNTIME_FORBIDDEN, "batchpilot_runtime.*", id="runtime-without-kopf"),
         pytest.param(CONTRACT_FORBIDDEN, CONTRACT_MODULES, id="contract-without-torch-or-web"),
         pytest.param(PURE_FORBIDDEN, PURE_MODULES, id="pure-parts-without-io"),
+        pytest.param(PURE_FORBIDDEN, CONTROL_CORE_MODULES, id="control-core-without-io"),
     ],
 )
 def test_import_boundary(forbidden: str, targets: str) -> None:

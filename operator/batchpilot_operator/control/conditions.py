@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.control.status import FALSE, TRUE, UNKNOWN, ConditionFact
-from batchpilot_operator.io.push import REFUSED
+from batchpilot_operator.io.outcomes import REFUSED
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning.observations import Observations, known
 

@@ -47,6 +47,11 @@ import httpx
 from pydantic import ValidationError
 
 from batchpilot_operator.io.outbound import BodyTooLarge, read_capped
+from batchpilot_operator.io.outcomes import CONFLICT as CONFLICT  # re-exported: push results carry these
+from batchpilot_operator.io.outcomes import ERROR as ERROR
+from batchpilot_operator.io.outcomes import OK as OK
+from batchpilot_operator.io.outcomes import REFUSED as REFUSED
+from batchpilot_operator.io.outcomes import UNAUTHORIZED as UNAUTHORIZED
 from batchpilot_runtime.contract.admin_api import (
     ADMIN_WINDOW_PATH,
     AdminError,
@@ -56,12 +61,6 @@ from batchpilot_runtime.contract.admin_api import (
     WindowUpdate,
 )
 from batchpilot_runtime.contract.window import Window
-
-OK = "ok"
-CONFLICT = "conflict"
-REFUSED = "refused"
-UNAUTHORIZED = "unauthorized"
-ERROR = "error"
 
 # The admin API answers a WindowState or an AdminError: a few hundred bytes, a few KiB with many lanes.
 MAX_BODY_BYTES = 1 << 20
