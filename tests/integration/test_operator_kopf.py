@@ -26,6 +26,7 @@ from tests.integration.kmock_cluster import (
     running_cluster,
     wait_for,
 )
+from tests.support.factories import make_spec_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -34,16 +35,7 @@ TOKEN = "kopf-test-token"
 
 
 def spec(admin_port: int, **overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "chat",
-        "selector": {"matchLabels": {"app": "chat"}},
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-        "slo": {"p99Ms": 500},
-        "tuning": {"cooldownSeconds": 0},
-        "runtime": {"adminPort": admin_port, "servePort": admin_port},
-    }
-    body.update(overrides)
-    return body
+    return make_spec_dict(**{"runtime": {"adminPort": admin_port, "servePort": admin_port}, **overrides})
 
 
 def condition(cluster: KubeCluster, name: str, type_: str, namespace: str = "ml") -> dict[str, Any] | None:

@@ -21,14 +21,10 @@ from batchpilot_operator.io.push import (
     PushFailed,
     clamp_to_capacity,
 )
-from batchpilot_runtime.contract.window import Window
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod, ipv6_loopback_available
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, closed_port_url
 from tests.integration.kmock_cluster import wait_for
-
-
-def make_window(generation: int = 1, cap: int = 16, target: int = 8) -> Window:
-    return Window(target_batch_size=target, hard_cap=cap, max_wait_ms=20, tail_mark_ratio=2.0, generation=generation)
+from tests.support.factories import make_window
 
 
 async def no_sleep(_: float) -> None:
@@ -53,18 +49,18 @@ def target(server: FakeAdminServer, pod: str = "0", token: str | None = "secret"
 
 
 async def test_pod_behind_is_pushed_and_pod_in_sync_is_not(server: FakeAdminServer, client: AdminClient) -> None:
-    result = await client.sync(target(server), make_window(1))
+    result = await client.sync(target(server), make_window(generation=1))
     assert result.outcome == OK and result.pushed
-    assert server.pods["0"].state.window == make_window(1)
-    again = await client.sync(target(server), make_window(1))
+    assert server.pods["0"].state.window == make_window(generation=1)
+    again = await client.sync(target(server), make_window(generation=1))
     assert again.outcome == OK and not again.pushed
     assert server.pods["0"].puts == 1
 
 
 async def test_restarted_pod_is_pushed_again(server: FakeAdminServer, client: AdminClient) -> None:
-    await client.sync(target(server), make_window(3))
+    await client.sync(target(server), make_window(generation=3))
     server.pods["0"].restart()
-    result = await client.sync(target(server), make_window(3))
+    result = await client.sync(target(server), make_window(generation=3))
     assert result.pushed and server.pods["0"].state.window.generation == 3
 
 
@@ -76,7 +72,7 @@ async def test_5xx_is_retried_with_backoff(server: FakeAdminServer) -> None:
 
     admin = AdminClient(timeout_s=1.0, retries=3, backoff_s=0.1, sleep=record)
     server.pods["0"].fail_next = 2
-    result = await admin.sync(target(server), make_window(1))
+    result = await admin.sync(target(server), make_window(generation=1))
     await admin.aclose()
     assert result.outcome == OK and result.pushed
     assert len(delays) == 2 and delays[1] > delays[0] * 0.9  # exponential, with jitter in [0.5, 1]
@@ -84,19 +80,19 @@ async def test_5xx_is_retried_with_backoff(server: FakeAdminServer) -> None:
 
 async def test_5xx_gives_up_after_bounded_attempts(server: FakeAdminServer, client: AdminClient) -> None:
     server.pods["0"].fail_next = 100
-    result = await client.sync(target(server), make_window(1))
+    result = await client.sync(target(server), make_window(generation=1))
     assert result.outcome == ERROR and "503" in result.detail and result.attempts == 3
 
 
 async def test_connection_refused_is_an_error_not_an_exception(client: AdminClient) -> None:
-    result = await client.sync(PodTarget("ns/gone", closed_port_url(), "secret"), make_window(1))
+    result = await client.sync(PodTarget("ns/gone", closed_port_url(), "secret"), make_window(generation=1))
     assert result.outcome == ERROR and result.attempts == 3
 
 
 async def test_timeout_is_an_error(server: FakeAdminServer) -> None:
     admin = AdminClient(timeout_s=0.2, retries=1, sleep=no_sleep)
     server.pods["0"].delay_s = 2.0
-    result = await admin.sync(target(server), make_window(1))
+    result = await admin.sync(target(server), make_window(generation=1))
     await admin.aclose()
     assert result.outcome == ERROR and "timed out" in result.detail
 
@@ -104,19 +100,19 @@ async def test_timeout_is_an_error(server: FakeAdminServer) -> None:
 async def test_a_slow_pod_does_not_block_the_others(server: FakeAdminServer) -> None:
     admin = AdminClient(timeout_s=0.5, retries=1, sleep=no_sleep)
     server.pods["0"].delay_s = 5.0
-    results = await admin.sync_all([(target(server, p), make_window(1), None) for p in ("0", "1", "2")])
+    results = await admin.sync_all([(target(server, p), make_window(generation=1), None) for p in ("0", "1", "2")])
     await admin.aclose()
     assert [r.outcome for r in results] == [ERROR, OK, OK]
 
 
 async def test_wrong_token_is_unauthorized(server: FakeAdminServer, client: AdminClient) -> None:
-    result = await client.sync(target(server, token="wrong"), make_window(1))
+    result = await client.sync(target(server, token="wrong"), make_window(generation=1))
     assert result.outcome == UNAUTHORIZED and result.attempts == 1
 
 
 async def test_reads_carry_the_token_as_writes_do(server: FakeAdminServer, client: AdminClient) -> None:
     await client.get_state(target(server))
-    await client.sync(target(server), make_window(1))  # a GET, then a PUT
+    await client.sync(target(server), make_window(generation=1))  # a GET, then a PUT
     assert server.pods["0"].authorizations == ["Bearer secret"] * 3
     assert (server.pods["0"].gets, server.pods["0"].puts) == (2, 1)
     with pytest.raises(PushFailed) as caught:
@@ -125,15 +121,15 @@ async def test_reads_carry_the_token_as_writes_do(server: FakeAdminServer, clien
 
 
 async def test_newer_generation_on_pod_is_a_conflict(server: FakeAdminServer, client: AdminClient) -> None:
-    await client.sync(target(server), make_window(7))
-    result = await client.sync(target(server), make_window(5))
+    await client.sync(target(server), make_window(generation=7))
+    result = await client.sync(target(server), make_window(generation=5))
     assert result.outcome == CONFLICT and result.state is not None and result.state.window.generation == 7
 
 
 async def test_422_cap_over_capacity_is_clamped_to_the_reported_capacity(
     server: FakeAdminServer, client: AdminClient
 ) -> None:
-    result = await client.sync(target(server), make_window(2, cap=128, target=100))
+    result = await client.sync(target(server), make_window(generation=2, cap=128, target=100))
     assert result.outcome == OK and result.clamped is not None
     in_force = server.pods["0"].state.window
     assert (in_force.hard_cap, in_force.target_batch_size, in_force.generation) == (64, 64, 2)
@@ -141,7 +137,7 @@ async def test_422_cap_over_capacity_is_clamped_to_the_reported_capacity(
 
 async def test_422_with_nothing_to_clamp_is_refused_without_retry(server: FakeAdminServer, client: AdminClient) -> None:
     server.pods["0"].refuse_all = "maxWaitMs too large for this pod"
-    result = await client.sync(target(server), make_window(2, cap=16))
+    result = await client.sync(target(server), make_window(generation=2, cap=16))
     assert result.outcome == REFUSED and "maxWaitMs" in result.detail
     assert result.attempts == 2  # one GET, one PUT: a refusal is final
 
@@ -150,14 +146,14 @@ def test_clamp_to_capacity_keeps_target_within_cap() -> None:
     from batchpilot_runtime.contract.admin_api import PodCapacity
 
     capacity = PodCapacity(kv_cache_tokens=1, kv_block_size=1, max_hard_cap=10, max_model_len=1)
-    clamped = clamp_to_capacity(make_window(cap=32, target=16), capacity)
+    clamped = clamp_to_capacity(make_window(generation=1, cap=32, target=16), capacity)
     assert clamped is not None and (clamped.hard_cap, clamped.target_batch_size) == (10, 10)
-    assert clamp_to_capacity(make_window(cap=8, target=4), capacity) is None
+    assert clamp_to_capacity(make_window(generation=1, cap=8, target=4), capacity) is None
 
 
 async def test_refusal_after_clamp_is_reported_as_refused(server: FakeAdminServer, client: AdminClient) -> None:
     server.pods["0"].refuse_all = "hardCap too large for the KV cache"
-    result = await client.sync(target(server), make_window(2, cap=128))
+    result = await client.sync(target(server), make_window(generation=2, cap=128))
     assert result.outcome == REFUSED and "clamped to capacity and refused again" in result.detail
     assert result.attempts == 3  # GET, PUT, clamped PUT; never more
     assert server.pods["0"].puts == 0
@@ -188,7 +184,7 @@ async def chaos() -> AsyncIterator[ChaosPod]:
 async def test_a_body_that_never_ends_is_cut_at_the_deadline(chaos: ChaosPod, transport: str) -> None:
     await chaos.set_mode("endless")
     admin = chaos_client(transport)
-    result = await admin.sync(PodTarget("ns/drip", chaos.url), make_window(1))
+    result = await admin.sync(PodTarget("ns/drip", chaos.url), make_window(generation=1))
     await admin.aclose()
     assert result.outcome == ERROR and "timed out: no complete answer within 0.3 s" in result.detail
     assert result.attempts == 1  # not retried: the pod had its whole deadline; the next tick tries again
@@ -198,7 +194,7 @@ async def test_a_body_that_never_ends_is_cut_at_the_deadline(chaos: ChaosPod, tr
 async def test_a_huge_body_is_not_read_past_the_cap_nor_retried(chaos: ChaosPod, transport: str) -> None:
     await chaos.set_mode("huge")
     admin = chaos_client(transport, timeout_s=10.0)
-    result = await admin.sync(PodTarget("ns/huge", chaos.url), make_window(1))
+    result = await admin.sync(PodTarget("ns/huge", chaos.url), make_window(generation=1))
     await admin.aclose()
     assert result.outcome == ERROR and "over the 1 MiB cap" in result.detail
     assert result.attempts == 1
@@ -214,7 +210,7 @@ async def test_a_huge_body_is_not_read_past_the_cap_nor_retried(chaos: ChaosPod,
 async def test_garbage_and_5xx_are_errors_not_exceptions(chaos: ChaosPod, mode: str, detail: str) -> None:
     await chaos.set_mode(mode)
     admin = chaos_client("aiohttp")
-    result = await admin.sync(PodTarget("ns/bad", chaos.url), make_window(1))
+    result = await admin.sync(PodTarget("ns/bad", chaos.url), make_window(generation=1))
     with pytest.raises(PushFailed, match=r"unreadable|HTTP 500"):
         await admin.get_state(PodTarget("ns/bad", chaos.url))
     await admin.aclose()
@@ -222,7 +218,7 @@ async def test_garbage_and_5xx_are_errors_not_exceptions(chaos: ChaosPod, mode: 
 
 
 async def test_a_url_httpx_refuses_is_an_error_at_once(client: AdminClient) -> None:
-    result = await client.sync(PodTarget("ns/v6", "http://fd00::1:8081"), make_window(1))
+    result = await client.sync(PodTarget("ns/v6", "http://fd00::1:8081"), make_window(generation=1))
     assert result.outcome == ERROR and "invalid URL" in result.detail and result.attempts == 1
 
 
@@ -233,7 +229,7 @@ async def test_a_pod_on_an_ipv6_address_is_pushed(client: AdminClient) -> None:
     await fake.start(host="::1")
     try:
         port = int(fake.url.rsplit(":", 1)[1])
-        result = await client.sync(PodTarget("ns/v6", base_url("::1", port), "secret"), make_window(1))
+        result = await client.sync(PodTarget("ns/v6", base_url("::1", port), "secret"), make_window(generation=1))
     finally:
         await fake.stop()
     assert result.outcome == OK and result.pushed and fake.pods[ROOT_POD].state.window.generation == 1

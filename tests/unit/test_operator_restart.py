@@ -23,6 +23,7 @@ from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.tuning.policy import PolicyState
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, batch_bucket
 from tests.integration.fake_admin import FakeAdminServer
+from tests.support.factories import make_spec_dict
 from tests.unit.test_operator_controller import MemorySink
 
 KV_SEQS = 40
@@ -31,14 +32,11 @@ POD = "0"
 
 
 def make_spec(hard_cap: int = 64, **tuning: Any) -> dict[str, Any]:
-    return {
-        "model": "chat",
-        "selector": {"matchLabels": {"app": "chat"}},
-        "batchFriendliness": "high",
-        "window": {"targetBatchSize": 8, "hardCap": hard_cap, "maxWaitMs": 40},
-        "slo": {"p99Ms": 500},
-        "tuning": {"cooldownSeconds": 0, **tuning},
-    }
+    return make_spec_dict(
+        batchFriendliness="high",
+        window={"targetBatchSize": 8, "hardCap": hard_cap, "maxWaitMs": 40},
+        tuning={"cooldownSeconds": 0, **tuning},
+    )
 
 
 class ClosedLoopSource:

@@ -10,22 +10,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot_operator.api.profile import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT, BatchProfileSpec, parse_spec
+from batchpilot_operator.api.profile import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT, BatchProfileSpec
 from batchpilot_operator.tuning.policy import PolicyState
 from batchpilot_operator.tuning.policy_memo import SCHEMA_VERSION, carry_over, restore, to_status
+from tests.support import factories
 
 NOW_S = 1_750_000_000.0
 
 
 def make_spec(**bounds: Any) -> BatchProfileSpec:
-    return parse_spec(
-        {
-            "model": "chat",
-            "selector": {"matchLabels": {"app": "chat"}},
-            "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40, "maxPrefillTokens": 1024},
-            "slo": {"p99Ms": 500},
-            "tuning": {"bounds": bounds},
-        }
+    return factories.make_spec(
+        window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40, "maxPrefillTokens": 1024},
+        tuning={"bounds": bounds},
     )
 
 
@@ -180,14 +176,8 @@ def test_a_spec_change_clamps_the_ceilings_into_the_new_bounds(
     cap_bounds = bounds.get("hardCap", {"min": 1, "max": 512})
     cap = max(cap_bounds["min"], min(32, cap_bounds["max"]))
     target = max(bounds.get("targetBatchSize", {"min": 1})["min"], min(8, cap))
-    spec = parse_spec(
-        {
-            "model": "chat",
-            "selector": {"matchLabels": {"app": "chat"}},
-            "window": {"targetBatchSize": target, "hardCap": cap, "maxWaitMs": 40},
-            "slo": {"p99Ms": 500},
-            "tuning": {"bounds": bounds},
-        }
+    spec = factories.make_spec(
+        window={"targetBatchSize": target, "hardCap": cap, "maxWaitMs": 40}, tuning={"bounds": bounds}
     )
     carried = carry_over(state, spec)
     assert (carried.kv_cap_ceiling, carried.budget_ceiling) == (kv_cap_ceiling, budget_ceiling)

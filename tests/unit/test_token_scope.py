@@ -25,23 +25,16 @@ from batchpilot_operator.io.kube import KubeClient, KubeConfig
 from batchpilot_operator.io.push import AdminClient
 from tests.integration.fake_admin import FakeAdminServer
 from tests.support.crd_validation import validate_object
+from tests.support.factories import make_spec_dict
 
 FLEET_TOKEN = "fleet-token"
 SECRETS = {("team-a", "chat-admin", "token"): "team-a-token", ("team-b", "chat-admin", "token"): "team-b-token"}
 
 
 def make_spec(secret: Mapping[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": "chat",
-        "selector": {"matchLabels": {"app": "chat"}},
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-        "slo": {"p99Ms": 500},
-        "tuning": {"cooldownSeconds": 0},
-    }
-    if secret is not None:
-        spec["runtime"] = {"adminTokenSecret": dict(secret)}
-    spec.update(overrides)
-    return spec
+    """The shared spec, reading its admin token from ``secret`` when one is given."""
+    runtime = {"runtime": {"adminTokenSecret": dict(secret)}} if secret is not None else {}
+    return make_spec_dict(**{**runtime, **overrides})
 
 
 class SecretSink:
