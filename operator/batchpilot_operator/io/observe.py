@@ -29,6 +29,16 @@ SLO_LATENCY_HISTOGRAMS: dict[str, str] = {
 # The latency histograms the operator reads, by name: the SLO's latencyMetric picks one of the
 # first three; the inter-token histogram is read for every profile (slo.interTokenP99Ms).
 LATENCY_HISTOGRAMS: dict[str, str] = {**SLO_LATENCY_HISTOGRAMS, INTER_TOKEN: rm.INTER_TOKEN_SECONDS}
+# The runtime counters both sources turn into rates, by the rate series of MetricsBuilder.add_rate
+# (admissions by reason; the others summed over every label but namespace and model).
+RATE_COUNTERS: dict[str, str] = {
+    "requests": rm.REQUESTS_TOTAL,
+    "generated_tokens": rm.GENERATED_TOKENS_TOTAL,
+    "prompt_tokens": rm.PROMPT_TOKENS_TOTAL,
+    "tail_marked": rm.TAIL_MARKED_TOTAL,
+    "preemptions": rm.PREEMPTIONS_TOTAL,
+    "admissions": rm.ADMISSIONS_TOTAL,
+}
 
 # A (namespace, model) pair. Sources that see no namespace label use "".
 ModelKey = tuple[str, str]

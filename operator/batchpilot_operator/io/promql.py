@@ -29,6 +29,7 @@ from typing import Any
 
 from batchpilot_operator.io.observe import (
     LATENCY_HISTOGRAMS,
+    RATE_COUNTERS,
     MetricsBuilder,
     MetricsUnavailable,
     ModelKey,
@@ -74,14 +75,13 @@ def build_queries(window_s: int, namespace_label: str | None = DEFAULT_NAMESPACE
         latency_parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{w}))", f"{slo_name}{COUNT_SUFFIX}"))
     latency = " or ".join(latency_parts)
     decode = f'{{{rm.LABEL_PHASE}="decode"}}'
+    counter_rates = []
+    for series, counter in RATE_COUNTERS.items():
+        grouping = f"{by}, {rm.LABEL_REASON}" if series == "admissions" else by
+        counter_rates.append(_tag(f"sum by ({grouping}) (rate({counter}{w}))", series))
     rates = " or ".join(
         [
-            _tag(f"sum by ({by}) (rate({rm.REQUESTS_TOTAL}{w}))", "requests"),
-            _tag(f"sum by ({by}) (rate({rm.GENERATED_TOKENS_TOTAL}{w}))", "generated_tokens"),
-            _tag(f"sum by ({by}) (rate({rm.PROMPT_TOKENS_TOTAL}{w}))", "prompt_tokens"),
-            _tag(f"sum by ({by}) (rate({rm.TAIL_MARKED_TOTAL}{w}))", "tail_marked"),
-            _tag(f"sum by ({by}) (rate({rm.PREEMPTIONS_TOTAL}{w}))", "preemptions"),
-            _tag(f"sum by ({by}, {rm.LABEL_REASON}) (rate({rm.ADMISSIONS_TOTAL}{w}))", "admissions"),
+            *counter_rates,
             _tag(f"sum by ({by}) (rate({rm.BATCH_SIZE}_sum{decode}{w}))", "batch_sum"),
             _tag(f"sum by ({by}) (rate({rm.BATCH_SIZE}_count{decode}{w}))", "batch_count"),
             _tag(f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_sum{decode}{w}))", "step_sum"),

@@ -27,6 +27,7 @@ import httpx
 from batchpilot_operator.io.exposition import SeriesKey, bucket_bound, counter_increase, parse_exposition
 from batchpilot_operator.io.observe import (
     LATENCY_HISTOGRAMS,
+    RATE_COUNTERS,
     MetricsBuilder,
     MetricsUnavailable,
     ModelKey,
@@ -36,14 +37,7 @@ from batchpilot_operator.io.outbound import read_capped
 from batchpilot_runtime.contract import metric_names as rm
 
 _HISTOGRAM_TO_SLO = {histogram: slo for slo, histogram in LATENCY_HISTOGRAMS.items()}
-_COUNTERS = {
-    rm.REQUESTS_TOTAL: "requests",
-    rm.GENERATED_TOKENS_TOTAL: "generated_tokens",
-    rm.PROMPT_TOKENS_TOTAL: "prompt_tokens",
-    rm.TAIL_MARKED_TOTAL: "tail_marked",
-    rm.PREEMPTIONS_TOTAL: "preemptions",
-    rm.ADMISSIONS_TOTAL: "admissions",
-}
+_COUNTERS = {counter: series for series, counter in RATE_COUNTERS.items()}
 _GAUGES = {rm.QUEUE_DEPTH: "queue_depth", rm.RUNNING_SEQUENCES: "running", rm.KV_CACHE_USAGE_RATIO: "kv_usage"}
 
 # A runtime's exposition is about 250 KiB (four latency histograms of ~65 buckets per lane, the step-time
