@@ -12,9 +12,9 @@ import torch
 
 from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState, WindowUpdate
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.engine.engine import (
-    AsyncEngine,
-    Engine,
+from batchpilot_runtime.engine.async_engine import AsyncEngine
+from batchpilot_runtime.engine.engine import Engine
+from batchpilot_runtime.engine.types import (
     EngineStoppedError,
     GenerationRequest,
     InvalidWindowError,

@@ -17,7 +17,8 @@ import torch
 
 from batchpilot_runtime.contract.admin_api import WindowState
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.engine.engine import Engine, GenerationRequest, TokenEvent
+from batchpilot_runtime.engine.engine import Engine
+from batchpilot_runtime.engine.types import GenerationRequest, TokenEvent
 from batchpilot_runtime.scheduling.types import RequestTimings, StepStats
 
 pytestmark = pytest.mark.slow

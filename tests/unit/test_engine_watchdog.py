@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.engine.engine import AsyncEngine, Engine, GenerationRequest
+from batchpilot_runtime.engine.async_engine import AsyncEngine
+from batchpilot_runtime.engine.engine import Engine
+from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
 
 TIMEOUT_S = 60.0

@@ -59,7 +59,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from batchpilot_runtime.contract.window import Window
-    from batchpilot_runtime.engine.engine import Engine, GenerationRequest
+    from batchpilot_runtime.engine.engine import Engine
+    from batchpilot_runtime.engine.types import GenerationRequest
 
     prompts = _read_prompts(args)
     if args.threads is not None:

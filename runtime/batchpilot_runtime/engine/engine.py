@@ -1,37 +1,34 @@
-"""The engine: scheduler steps run on the model, and the thread that serves them to asyncio.
+"""The engine: scheduler steps run on the model.
 
 ``Engine`` is synchronous. One step is: the scheduler plans (pure, clock passed in) ->
 ``ForwardBatch.build`` -> ``model.forward`` under ``torch.inference_mode`` -> sampling of
 the sequences whose step ends on a new token -> ``scheduler.update_from_output`` -> one
-``TokenEvent`` per new token or finished request.
-
-``AsyncEngine`` owns an ``Engine`` on one dedicated thread. That thread is the only one that
-touches the scheduler, the model and the KV cache; ``submit``/``abort``/``update_window``
-hand it commands through a condition-guarded inbox, and it hands events back to each
-request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (one call per step and loop).
-It sleeps on the condition until a command arrives or the scheduler's next deadline
-(the wait or tail rule) falls due, so an idle engine costs no CPU. A watchdog
-(``watchdog.EngineWatchdog``) is told of every step and every such sleep, so that a step that
-never returns shows in ``AsyncEngine.health()`` (and so in /healthz and /metrics).
+``TokenEvent`` per new token or finished request. ``async_engine.AsyncEngine`` serves it to
+asyncio from one thread.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
-from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow, PodCapacity, WindowState, WindowUpdate
+from batchpilot_runtime.contract.admin_api import LaneWindow, PodCapacity, WindowState
 from batchpilot_runtime.contract.window import MAX_BATCH_SIZE, Window
-from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
+from batchpilot_runtime.engine.types import (
+    FINISH_TO_OUTCOME,
+    AcceptedRequest,
+    EngineLoad,
+    EngineObserver,
+    GenerationRequest,
+    InvalidWindowError,
+    TokenEvent,
+    check_request,
+)
 from batchpilot_runtime.model.batch import ForwardBatch
 from batchpilot_runtime.model.config import config_from_name
 from batchpilot_runtime.model.device import pick_device
@@ -39,33 +36,9 @@ from batchpilot_runtime.model.kv_cache import PagedKVCache
 from batchpilot_runtime.model.model import LlamaModel
 from batchpilot_runtime.model.sampling import SamplingParams, make_generator, sample
 from batchpilot_runtime.model.tokenizer import Tokenizer, load_tokenizer
-from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens
+from batchpilot_runtime.scheduling.lanes import check_window
 from batchpilot_runtime.scheduling.scheduler import Scheduler
-from batchpilot_runtime.scheduling.types import (
-    QueueFullError,
-    RequestOutput,
-    RequestRejected,
-    RequestTimings,
-    SchedRequest,
-    SchedulerConfig,
-    StepStats,
-)
-
-__all__ = [
-    "AsyncEngine",
-    "Engine",
-    "EngineLoad",
-    "EngineObserver",
-    "EngineStoppedError",
-    "GenerationRequest",
-    "InvalidWindowError",
-    "QueueFullError",
-    "RequestRejected",
-    "StaleGenerationError",
-    "TokenEvent",
-]
-
-log = logging.getLogger(__name__)
+from batchpilot_runtime.scheduling.types import RequestOutput, SchedulerConfig
 
 Clock = Callable[[], float]
 Batching = Literal["continuous", "static"]
@@ -74,90 +47,6 @@ DEFAULT_KV_CACHE_TOKENS = 65_536
 DEFAULT_KV_MEMORY_FRACTION = 0.85
 DEFAULT_KV_BLOCK_SIZE = 16
 DEFAULT_MAX_QUEUE = 1024
-# When the scheduler reports a deadline that is already due but still plans nothing, the
-# engine thread re-checks after this long instead of spinning.
-_MIN_IDLE_WAIT_S = 0.001
-# With requests in the scheduler but neither a plan nor a deadline (nothing should do
-# that), re-check at this period so that a scheduler oversight cannot hang a request; the
-# watchdog counts these waits towards a stall.
-_STALLED_POLL_S = 0.05
-
-_FINISH_RATE_SAMPLES = 64
-_RETRY_AFTER_MIN_S = 0.1
-_RETRY_AFTER_MAX_S = 60.0
-
-FINISH_TO_OUTCOME = {"length": "completed", "stop": "completed", "cancelled": "cancelled", "error": "error"}
-
-
-def _rejected(field_name: str, message: str) -> RequestRejected:
-    return RequestRejected(f"{field_name}: {message}", field_name)
-
-
-class StaleGenerationError(Exception):
-    """A window update whose generation is older than the one in force (HTTP 409)."""
-
-    def __init__(self, offered: Window, in_force: Window) -> None:
-        if offered.generation < in_force.generation:
-            why = f"generation {offered.generation} is older than the generation in force ({in_force.generation})"
-        else:
-            why = f"generation {offered.generation} is already in force with a different window ({in_force.describe()})"
-        super().__init__(why)
-        self.offered = offered
-        self.window_in_force = in_force
-
-
-class InvalidWindowError(ValueError):
-    """A window the pod cannot apply (HTTP 422); the message gives the reason and names the field."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine is draining or stopped and accepts no new request (HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    lane: str = DEFAULT_LANE
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    request_id: str
-    token_id: int | None
-    finish_reason: str | None
-    error: str | None = None
-    timings: RequestTimings | None = None
-
-    @property
-    def is_final(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot for gauges, published by the engine thread after every step."""
-
-    queue_depth: int
-    running: int
-    kv_usage_ratio: float
-
-
-class EngineObserver(Protocol):
-    """Implemented by the server's metrics layer; every call comes from the engine thread."""
-
-    def on_step(self, stats: StepStats, step_seconds: float, forward_seconds: float) -> None: ...
-
-    def on_request_finished(self, timings: RequestTimings, outcome: str) -> None: ...
-
-    def on_tokens(self, lane: str, inter_token_gaps_s: Sequence[float]) -> None: ...
-
-    def on_window(self, state: WindowState) -> None: ...
 
 
 @dataclass
@@ -285,70 +174,21 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def check_request(self, request: GenerationRequest, lanes: Collection[str] | None = None) -> None:
-        """Raise ``RequestRejected`` naming the field when the request can never be served.
-
-        Depends only on the engine's fixed configuration and ``lanes`` (the named lanes; the
-        scheduler's when None), so ``AsyncEngine`` calls it on the caller's thread, with the
-        lanes it last accepted, to refuse bad requests at once."""
-        if not request.request_id:
-            raise _rejected("request_id", "must not be empty")
-        prompt_tokens = len(request.prompt_token_ids)
-        if prompt_tokens == 0:
-            raise _rejected("prompt_token_ids", "must not be empty")
-        for token in request.prompt_token_ids:
-            if not 0 <= token < self.vocab_size:
-                raise _rejected("prompt_token_ids", f"token {token} is outside the vocabulary [0, {self.vocab_size})")
-        if request.max_tokens < 1:
-            raise _rejected("max_tokens", f"must be >= 1, got {request.max_tokens}")
-        if prompt_tokens >= self.max_model_len:
-            raise _rejected(
-                "prompt_token_ids",
-                f"the prompt has {prompt_tokens} tokens; the maximum sequence length {self.max_model_len} "
-                "leaves no room to generate",
-            )
-        total_tokens = prompt_tokens + request.max_tokens
-        if total_tokens > self.max_model_len:
-            raise _rejected(
-                "max_tokens",
-                f"{request.max_tokens} new tokens after a {prompt_tokens}-token prompt exceed the maximum "
-                f"sequence length {self.max_model_len}",
-            )
-        # The last sampled token is never fed back, so it needs no KV slot.
-        if blocks_for_tokens(total_tokens - 1, self.block_size) * self.block_size > self.capacity.kv_cache_tokens:
-            raise _rejected(
-                "max_tokens",
-                f"a {prompt_tokens}-token prompt with {request.max_tokens} new tokens does not fit the KV cache "
-                f"({self.capacity.kv_cache_tokens} tokens)",
-            )
-        for name in ("temperature", "top_p", "seed"):
-            value = getattr(request, name)
-            try:
-                SamplingParams(**{name: value})
-            except (TypeError, ValueError) as error:
-                raise _rejected(name, str(error).removeprefix(f"{name}: ")) from None
-        named_lanes = self.scheduler.lanes if lanes is None else lanes
-        if request.lane != DEFAULT_LANE and request.lane not in named_lanes:
-            known = ", ".join(sorted({DEFAULT_LANE, *named_lanes}))
-            raise _rejected("lane", f"unknown lane {request.lane!r} (known: {known})")
+    def check_request(self, request: GenerationRequest, arrival_s: float) -> AcceptedRequest:
+        """``types.check_request`` with this engine's limits and vocabulary. Depends only on the
+        engine's fixed configuration, so it may run on any thread."""
+        return check_request(request, self.scheduler.limits, self.vocab_size, arrival_s)
 
     def add_request(self, request: GenerationRequest, arrival_s: float | None = None) -> None:
-        """Queue a request; ``QueueFullError`` / ``RequestRejected`` when it cannot be queued."""
-        self.check_request(request)
-        if request.request_id in self._live:
-            raise _rejected("request_id", f"{request.request_id!r} is already queued or running")
-        self.scheduler.add_request(
-            SchedRequest(
-                request_id=request.request_id,
-                prompt_token_ids=tuple(request.prompt_token_ids),
-                max_new_tokens=request.max_tokens,
-                arrival_s=self.clock() if arrival_s is None else arrival_s,
-                lane=request.lane,
-                stop_token_ids=frozenset(request.stop_token_ids),
-            )
-        )
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
-        self._live[request.request_id] = _LiveRequest(request.lane, params, make_generator(params, self.device))
+        """Check and queue a request; ``QueueFullError`` / ``RequestRejected`` when it cannot be queued."""
+        self.enqueue(self.check_request(request, self.clock() if arrival_s is None else arrival_s))
+
+    def enqueue(self, accepted: AcceptedRequest) -> None:
+        """Queue a checked request; the scheduler refuses an id in use, a lane not open, a full queue."""
+        request = accepted.request
+        self.scheduler.enqueue(request)
+        generator = make_generator(accepted.params, self.device)
+        self._live[request.request_id] = _LiveRequest(request.lane, accepted.params, generator)
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request and free its KV; None when it is unknown or already finished."""
@@ -382,6 +222,7 @@ class Engine:
             queue_depth=self.scheduler.num_waiting,
             running=self.scheduler.num_running,
             kv_usage_ratio=self.scheduler.kv_usage_ratio,
+            retry_after_s=self.scheduler.retry_after_s(),
         )
 
     # -- the step -----------------------------------------------------------------------
@@ -451,27 +292,10 @@ class Engine:
         cannot hold. ``lanes`` is the complete set of named lanes that would be in force.
 
         Depends only on the engine's fixed capacity, so it may run on any thread."""
-        cap_limit = self.capacity.max_hard_cap
-        if window.hard_cap > cap_limit:
-            raise InvalidWindowError(
-                f"window.hardCap: {window.hard_cap} exceeds what the KV cache can hold, {cap_limit} sequences "
-                f"({self.capacity.kv_cache_tokens} tokens in blocks of {self.block_size})"
-            )
-        reserved = 0
-        for lane in lanes:
-            if lane.name == DEFAULT_LANE:
-                raise InvalidWindowError(f"lanes: {DEFAULT_LANE!r} is the main window's lane and cannot be listed")
-            if lane.window.hard_cap > cap_limit:
-                raise InvalidWindowError(
-                    f"lanes[{lane.name}].window.hardCap: {lane.window.hard_cap} exceeds what the KV cache can hold, "
-                    f"{cap_limit} sequences"
-                )
-            reserved += min(lane.reserved_slots, lane.window.hard_cap)
-        if lanes and reserved >= window.hard_cap:
-            raise InvalidWindowError(
-                f"lanes: reservedSlots add up to {reserved}, which leaves none of window.hardCap "
-                f"({window.hard_cap}) to the default lane"
-            )
+        try:
+            check_window(window, {lane.name: lane for lane in lanes}, self.capacity.max_hard_cap)
+        except ValueError as error:
+            raise InvalidWindowError(str(error)) from None
 
     def set_window(self, window: Window, lanes: Mapping[str, LaneWindow] | None = None) -> None:
         """Stage a window; the scheduler applies it at the start of the next step."""
@@ -487,361 +311,3 @@ class Engine:
             batching=self.batching,
             default_prefill_tokens=self.scheduler.config.max_prefill_tokens_per_step,
         )
-
-
-# -- the asynchronous front ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[TokenEvent]
-
-
-@dataclass(frozen=True)
-class _Submit:
-    request: GenerationRequest
-    arrival_s: float
-    sink: _Sink
-
-
-@dataclass(frozen=True)
-class _Finish:
-    request_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class _SetWindow:
-    window: Window
-    lanes: Mapping[str, LaneWindow] | None
-    state: WindowState  # what the caller was told; reported to the observer once applied
-
-
-_Command = _Submit | _Finish | _SetWindow
-
-
-def _deliver(batch: Sequence[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
-    for queue, event in batch:
-        queue.put_nowait(event)
-
-
-class AsyncEngine:
-    """Runs ``Engine.step`` on its own thread; never blocks the asyncio loop.
-
-    Invariant: only the engine thread calls the ``Engine`` (scheduler, model, KV). Callers
-    touch nothing but the inbox, and a few fields of this object guarded by ``_cond``; the
-    engine thread never holds ``_cond`` during a step, so ``health()`` answers while one hangs.
-    """
-
-    def __init__(self, engine: Engine, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
-        self.engine = engine
-        self._cond = threading.Condition()
-        # Guarded by _cond:
-        self._inbox: deque[_Command] = deque()
-        self._accepting = True
-        self._stop: Literal["drain", "cancel"] | None = None
-        self._pending_submits = 0
-        self._request_ids: set[str] = set()  # submitted and not yet finished
-        self._window_state = engine.window_state()
-        self._watchdog = EngineWatchdog(stall_timeout_s, engine.clock())
-        # Written by the engine thread only (a reference swap), read by anyone:
-        self._load = engine.load()
-        self._failure: str | None = None
-        self._retry_after_s = 1.0
-        # Owned by the engine thread:
-        self._sinks: dict[str, _Sink] = {}
-        self._finish_times_s: deque[float] = deque(maxlen=_FINISH_RATE_SAMPLES)
-        self._deferred: list[_Submit] = []  # requests for a lane that is staged, not yet in force
-        self._staged_lanes: frozenset[str] = frozenset()
-        self._thread: threading.Thread | None = None
-
-    # -- lifecycle ----------------------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("AsyncEngine.start() was already called")
-        self._thread = threading.Thread(target=self._run, name="batchpilot-engine", daemon=True)
-        self._thread.start()
-
-    async def shutdown(self, drain: bool = True) -> None:
-        """Stop accepting; with ``drain`` finish every running and waiting request, else cancel them."""
-        with self._cond:
-            self._accepting = False
-            if self._stop != "cancel":
-                self._stop = "drain" if drain else "cancel"
-            self._cond.notify_all()
-        thread = self._thread
-        if thread is not None:
-            await asyncio.to_thread(thread.join)
-
-    def is_alive(self) -> bool:
-        thread = self._thread
-        return thread is not None and thread.is_alive() and self._failure is None
-
-    @property
-    def accepting(self) -> bool:
-        with self._cond:
-            return self._accepting
-
-    def load(self) -> EngineLoad:
-        return self._load
-
-    def health(self) -> EngineHealth:
-        """The watchdog's reading: whether pending requests have gone without a step for longer
-        than the stall timeout (a hung step), and for how long. Safe from any thread."""
-        with self._cond:
-            return self._watchdog.check(self.engine.clock())
-
-    # -- requests -----------------------------------------------------------------------
-
-    def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Queue a request and return its events, the last one with a ``finish_reason``.
-
-        Raises at once: ``RequestRejected`` (bad field, id in use), ``QueueFullError`` (the
-        waiting queue is full), ``EngineStoppedError`` (draining or stopped). Leaving the
-        iteration early (a client that hung up) cancels the request and frees its KV."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        with self._cond:
-            self.engine.check_request(request, lanes=[lane.name for lane in self._window_state.lanes])
-            if not self._accepting or self._failure is not None:
-                raise EngineStoppedError(self._failure or "the engine is shutting down and accepts no new request")
-            if request.request_id in self._request_ids:
-                raise _rejected("request_id", f"{request.request_id!r} is already queued or running")
-            waiting = self._load.queue_depth + self._pending_submits
-            if waiting >= self.engine.max_queue:
-                raise QueueFullError(
-                    f"the waiting queue is full ({waiting} requests); retry in {self._retry_after_s:.1f} s",
-                    self._retry_after_s,
-                )
-            self._pending_submits += 1
-            self._request_ids.add(request.request_id)
-            now_s = self.engine.clock()
-            self._watchdog.requests_pending(now_s, len(self._request_ids))
-            self._inbox.append(_Submit(request, now_s, _Sink(loop, queue)))
-            self._cond.notify()
-        return self._stream(request.request_id, queue)
-
-    async def _stream(self, request_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
-        finished = False
-        try:
-            while not finished:
-                event = await queue.get()
-                finished = event.is_final
-                yield event
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        """Cancel a request (no-op when it already ended); its stream ends with ``cancelled``."""
-        self.finish(request_id, "cancelled")
-
-    def finish(self, request_id: str, reason: str = "stop") -> None:
-        """End a request early (e.g. ``"stop"`` on a stop string the server matched): its KV is
-        freed and its stream ends with ``reason``. No-op when it already ended."""
-        if reason not in FINISH_TO_OUTCOME:
-            raise ValueError(f"reason must be one of {', '.join(FINISH_TO_OUTCOME)}, got {reason!r}")
-        with self._cond:
-            self._inbox.append(_Finish(request_id, reason))
-            self._cond.notify()
-
-    # -- the window ---------------------------------------------------------------------
-
-    def update_window(self, update: WindowUpdate) -> WindowState:
-        """Validate and stage a window for the next step boundary; returns the accepted state.
-
-        ``update.lanes``, when given, is the complete new set of named lanes (a lane left out is
-        retired once its requests finish); None keeps the lanes in force. Re-sending the window in
-        force with its generation is accepted and changes nothing (level-triggered pushes).
-        ``StaleGenerationError`` (409): a generation older than the one in force, or the same
-        generation with other values. ``InvalidWindowError`` (422): the pod cannot hold it."""
-        offered = update.window
-        new_lanes: dict[str, LaneWindow] | None = None
-        if update.lanes is not None:
-            new_lanes = {}
-            for lane in update.lanes:
-                if lane.name in new_lanes:
-                    raise InvalidWindowError(f"lanes: lane {lane.name!r} is listed twice")
-                new_lanes[lane.name] = lane
-        with self._cond:
-            current = self._window_state
-            in_force = current.window
-            current_lanes = {lane.name: lane for lane in current.lanes}
-            lanes = current_lanes if new_lanes is None else new_lanes
-            if offered.generation < in_force.generation:
-                raise StaleGenerationError(offered, in_force)
-            if offered.generation == in_force.generation:
-                if offered.fields_equal(in_force) and lanes == current_lanes:
-                    return current
-                raise StaleGenerationError(offered, in_force)
-            self.engine.validate_window(offered, list(lanes.values()))
-            state = current.model_copy(update={"window": offered, "lanes": [lanes[name] for name in sorted(lanes)]})
-            self._window_state = state
-            self._inbox.append(_SetWindow(offered, new_lanes, state))
-            self._cond.notify()
-        return state
-
-    def window_state(self) -> WindowState:
-        with self._cond:
-            return self._window_state
-
-    # -- the engine thread --------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            self._observe_window(self.window_state())
-            while True:
-                # 1. Take the commands, and the stop order, that arrived since the last step.
-                with self._cond:
-                    commands = list(self._inbox)
-                    self._inbox.clear()
-                    stop = self._stop
-                replies = self._apply(commands)
-                with self._cond:
-                    self._pending_submits -= sum(1 for c in commands if isinstance(c, _Submit))
-                    self._load = engine.load()
-                self._dispatch(replies)
-                if stop == "cancel":
-                    cancelled = [e for rid in engine.live_request_ids if (e := engine.abort(rid)) is not None]
-                    cancelled += [TokenEvent(c.request.request_id, None, "cancelled") for c in self._deferred]
-                    self._dispatch(cancelled)
-                    break
-                if stop == "drain" and not engine.has_unfinished and not self._sinks:
-                    break
-                # 2. One step, unless there is nothing to run now.
-                steps_before = engine.steps_run
-                events = self._step_guarded()
-                stepped = engine.steps_run != steps_before
-                if stepped or events:  # a step ran, or failed and ended its requests
-                    with self._cond:
-                        self._watchdog.step_ended(engine.clock())
-                if self._deferred:
-                    # The step's schedule() applied the staged lanes these requests wait for.
-                    deferred, self._deferred = self._deferred, []
-                    self._staged_lanes = frozenset()
-                    events += self._apply(deferred)
-                self._load = engine.load()
-                self._dispatch(events)
-                if stepped:
-                    continue
-                # 3. Idle: sleep until a command arrives or the next admission deadline.
-                with self._cond:
-                    if self._inbox or self._stop != stop:
-                        continue
-                    self._idle_wait()
-        except BaseException as error:  # the thread must not die silently
-            log.exception("engine thread failed")
-            self._fail_everything(f"engine failure: {error!r}")
-            raise
-        finally:
-            with self._cond:
-                self._accepting = False
-
-    def _apply(self, commands: Sequence[_Command]) -> list[TokenEvent]:
-        replies: list[TokenEvent] = []
-        engine = self.engine
-        for command in commands:
-            if isinstance(command, _Submit):
-                request = command.request
-                self._sinks[request.request_id] = command.sink
-                if request.lane in self._staged_lanes and request.lane not in engine.scheduler.lanes:
-                    # Its lane was accepted by update_window but takes effect at the next step.
-                    self._deferred.append(command)
-                    continue
-                try:
-                    engine.add_request(request, arrival_s=command.arrival_s)
-                except (QueueFullError, RequestRejected) as refused:
-                    # The caller's checks ran on a snapshot; the scheduler has the last word.
-                    replies.append(TokenEvent(request.request_id, None, "error", str(refused)))
-            elif isinstance(command, _Finish):
-                event = engine.finish(command.request_id, command.reason)
-                if event is not None:
-                    replies.append(event)
-                elif any(c.request.request_id == command.request_id for c in self._deferred):
-                    self._deferred = [c for c in self._deferred if c.request.request_id != command.request_id]
-                    replies.append(TokenEvent(command.request_id, None, command.reason))
-            else:
-                engine.set_window(command.window, command.lanes)
-                if command.lanes is not None:
-                    self._staged_lanes = frozenset(command.lanes)
-                self._observe_window(command.state)
-        return replies
-
-    def _step_guarded(self) -> list[TokenEvent]:
-        """A step; when it raises, the requests in flight end with an error and the loop goes on."""
-        try:
-            return self.engine.step()
-        except Exception as error:
-            log.exception("engine step failed; failing the requests in flight")
-            message = f"engine step failed: {error!r}"
-            return [
-                event
-                for request_id in self.engine.live_request_ids
-                if (event := self.engine.finish(request_id, "error", message)) is not None
-            ]
-
-    def _idle_wait(self) -> None:
-        """Sleep on ``_cond`` (held) until a command or the scheduler's next deadline. The watchdog
-        does not count a sleep the scheduler asked for, nor one with no request in the scheduler."""
-        engine = self.engine
-        by_design = not engine.has_unfinished or engine.next_deadline_s() is not None
-        if by_design:
-            self._watchdog.wait_started()
-        self._cond.wait(self._idle_timeout_s())
-        if by_design:
-            self._watchdog.wait_ended(engine.clock())
-
-    def _idle_timeout_s(self) -> float | None:
-        deadline_s = self.engine.next_deadline_s()
-        if deadline_s is None:
-            return _STALLED_POLL_S if self.engine.has_unfinished else None
-        return max(deadline_s - self.engine.clock(), _MIN_IDLE_WAIT_S)
-
-    def _dispatch(self, events: Sequence[TokenEvent]) -> None:
-        if not events:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
-        finished: list[str] = []
-        for event in events:
-            sink = self._sinks.get(event.request_id)
-            if sink is None:
-                continue
-            by_loop.setdefault(sink.loop, []).append((sink.queue, event))
-            if event.is_final:
-                del self._sinks[event.request_id]
-                finished.append(event.request_id)
-        if finished:
-            with self._cond:
-                self._request_ids.difference_update(finished)
-                self._watchdog.requests_pending(self.engine.clock(), len(self._request_ids))
-            self._update_retry_after(len(finished))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:
-                # The caller's loop is closed: nobody is left to read these events.
-                log.debug("dropping %d events for a closed event loop", len(batch))
-
-    def _update_retry_after(self, num_finished: int) -> None:
-        # A waiting slot opens when a running request ends, so a full queue has room again after
-        # about one finish interval at the recent rate.
-        now_s = self.engine.clock()
-        self._finish_times_s.extend([now_s] * num_finished)
-        times = self._finish_times_s
-        if len(times) >= 2 and times[-1] > times[0]:
-            interval_s = (times[-1] - times[0]) / (len(times) - 1)
-            self._retry_after_s = min(_RETRY_AFTER_MAX_S, max(_RETRY_AFTER_MIN_S, interval_s))
-
-    def _fail_everything(self, message: str) -> None:
-        with self._cond:
-            self._failure = message
-            self._accepting = False
-        self._dispatch([TokenEvent(rid, None, "error", message) for rid in list(self._sinks)])
-
-    def _observe_window(self, state: WindowState) -> None:
-        observer = self.engine.observer
-        if observer is not None:
-            observer.on_window(state)

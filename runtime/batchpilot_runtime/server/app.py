@@ -24,7 +24,7 @@ from pydantic_core import ErrorDetails
 from starlette.types import Receive, Scope, Send
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
-from batchpilot_runtime.engine.engine import (
+from batchpilot_runtime.engine.types import (
     EngineStoppedError,
     GenerationRequest,
     QueueFullError,
@@ -49,6 +49,8 @@ from batchpilot_runtime.server.text import StopStringDetector
 logger = logging.getLogger("batchpilot.server")
 
 DRAINING_RETRY_AFTER_S = 1
+# The engine's name of a request field -> the completion request's.
+_API_FIELDS = {"prompt_token_ids": "prompt"}
 # A prompt of the longest context in token ids is well under this; anything larger is refused unread.
 MAX_BODY_BYTES = 16 * 1024 * 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -405,7 +407,9 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
             ) from None
         except RequestRejected as error:
             ctx.metrics.on_rejected()
-            raise ApiError(400, str(error), param=_param_of(str(error))) from None
+            param = _API_FIELDS.get(error.field or "", error.field)
+            message = str(error) if error.field is None else f"{param}: {str(error).removeprefix(f'{error.field}: ')}"
+            raise ApiError(400, message, param=param) from None
         except EngineStoppedError as error:
             ctx.metrics.on_rejected()
             raise ApiError(
@@ -438,13 +442,6 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
     return app
 
 
-def _param_of(message: str) -> str | None:
-    """The request field an engine refusal names (its messages start with the engine-side field)."""
-    head = message.split(":", 1)[0].split(" ", 1)[0].strip()
-    head = {"prompt_token_ids": "prompt"}.get(head, head)
-    return head if head.isidentifier() else None
-
-
 def _generation_request(
     ctx: ServingContext, loaded: LoadedModel, body: CompletionRequest, lane_header: str | None
 ) -> GenerationRequest:
@@ -455,38 +452,14 @@ def _generation_request(
             param="model",
             kind="not_found_error",
         )
-    lane = body.lane or lane_header or DEFAULT_LANE
-    if lane not in ctx.lanes:
-        raise ApiError(
-            400, f"lane: unknown lane '{lane}'; this server has {', '.join(sorted(ctx.lanes))}", param="lane"
-        )
+    # The lane, the lengths and the token ids are the engine's to check (``engine.submit``), once.
     tokenizer = loaded.tokenizer
     if isinstance(body.prompt, str):
-        prompt_ids = tokenizer.encode(body.prompt)
-        if not body.prompt or not prompt_ids:
+        if not body.prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
+        prompt_ids = tokenizer.encode(body.prompt)
     else:
         prompt_ids = list(body.prompt)
-        too_large = next((t for t in prompt_ids if t >= loaded.vocab_size), None)
-        if too_large is not None:
-            raise ApiError(
-                400,
-                f"prompt: token id {too_large} is outside the vocabulary (size {loaded.vocab_size})",
-                param="prompt",
-            )
-    if len(prompt_ids) >= loaded.max_model_len:
-        raise ApiError(
-            400,
-            f"prompt: {len(prompt_ids)} tokens leave no room in the model's context of {loaded.max_model_len} tokens",
-            param="prompt",
-        )
-    if len(prompt_ids) + body.max_tokens > loaded.max_model_len:
-        raise ApiError(
-            400,
-            f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
-            f"the model's context of {loaded.max_model_len} tokens",
-            param="max_tokens",
-        )
     eos = tokenizer.eos_token_id
     return GenerationRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}",
@@ -496,7 +469,7 @@ def _generation_request(
         top_p=body.top_p,
         seed=body.seed,
         stop_token_ids=() if body.ignore_eos or eos is None else (eos,),
-        lane=lane,
+        lane=body.lane or lane_header or DEFAULT_LANE,
     )
 
 

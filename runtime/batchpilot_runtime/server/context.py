@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, WindowState
+from batchpilot_runtime.contract.admin_api import WindowState
 from batchpilot_runtime.server.metrics import MetricsExporter
 
 if TYPE_CHECKING:
-    from batchpilot_runtime.engine.engine import AsyncEngine
+    from batchpilot_runtime.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("batchpilot.server")
 
@@ -37,7 +37,6 @@ class LoadedModel:
     engine: AsyncEngine
     tokenizer: TextCodec
     max_model_len: int  # prompt + output tokens of one request
-    vocab_size: int  # the model's: token ids in prompts must be below it
 
 
 @dataclass
@@ -49,7 +48,6 @@ class ServingContext:
     draining: bool = False
     inflight_requests: int = 0  # accepted completions whose response has not ended
     no_inflight: asyncio.Event = field(default_factory=asyncio.Event)
-    lanes: frozenset[str] = frozenset({DEFAULT_LANE})
     created_unix_s: int = field(default_factory=lambda: int(time.time()))
     stall_reported: bool = False  # the log says "engine stalled" once per stall, when a probe first sees it
 
@@ -66,7 +64,6 @@ class ServingContext:
             self.no_inflight.set()
 
     def window_changed(self, state: WindowState) -> None:
-        self.lanes = frozenset({DEFAULT_LANE, *(lane.name for lane in state.lanes)})
         self.metrics.on_window(state)
 
     def not_live_reason(self) -> str | None:

@@ -87,7 +87,8 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
     """Build the engine (torch; slow) and wrap it for the async server. Runs in a worker thread."""
     import torch
 
-    from batchpilot_runtime.engine.engine import AsyncEngine, Engine
+    from batchpilot_runtime.engine.async_engine import AsyncEngine
+    from batchpilot_runtime.engine.engine import Engine
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -111,7 +112,6 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
         engine=async_engine,
         tokenizer=cast(TextCodec, engine.tokenizer),
         max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
     )
 
 
