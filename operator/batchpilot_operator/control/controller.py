@@ -53,6 +53,7 @@ from batchpilot_operator.api.profile import (
     parse_spec,
 )
 from batchpilot_operator.control import conditions
+from batchpilot_operator.control.events import Events
 from batchpilot_operator.control.export import export_profile
 from batchpilot_operator.control.facts import pods_window, status_facts
 from batchpilot_operator.control.records import (
@@ -102,7 +103,7 @@ class Controller:
         monotonic: Callable[[], float] = time.monotonic,
         on_decision: Callable[[ProfileRecord, policy_mod.Decision], None] | None = None,
     ) -> None:
-        self.settings = settings
+        self._settings = settings
         self.source = source
         self.admin = admin
         self.sink = sink
@@ -113,6 +114,7 @@ class Controller:
         self.registry = Registry(match_by_model=match_by_model)
         self.profiles = self.registry.profiles  # the registry's own dicts, read by the front ends
         self.pods = self.registry.pods
+        self.events = Events(sink, settings.max_events_per_tick)
         self.syncer = Syncer(settings, admin, sink, self.metrics, monotonic, self._queue_event)
         self.last_tick_started_s: float | None = None
         self.last_tick_finished_s: float | None = None
@@ -120,9 +122,17 @@ class Controller:
         self.last_report = TickReport()
         self._tick_lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._events_this_tick = 0
-        self._pending_events: set[asyncio.Future[None]] = set()
         self._started_s = 0.0
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, value: Settings) -> None:
+        """New settings reach the syncer and the Event guard too."""
+        self._settings = self.syncer.settings = value
+        self.events.max_per_tick = value.max_events_per_tick
 
     @property
     def match_by_model(self) -> bool:
@@ -289,7 +299,7 @@ class Controller:
         self.last_tick_started_s = started
         now_s = self._wall()
         report = TickReport()
-        self._events_this_tick = 0
+        self.events.new_tick()
 
         # 1. Which profiles are due (aligned slots: floor(now / interval)).
         due: list[ProfileRecord] = []
@@ -498,29 +508,11 @@ class Controller:
     # ---- status and events --------------------------------------------------------------------------
 
     def _queue_event(self, record: ProfileRecord, type_: str, reason: str, message: str) -> None:
-        if self._events_this_tick >= self.settings.max_events_per_tick:
-            return
-        self._events_this_tick += 1
-        task = asyncio.ensure_future(self._post_event(record.ref, type_, reason, message))
-        self._pending_events.add(task)
-        task.add_done_callback(self._pending_events.discard)
-
-    async def _post_event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
-        try:
-            await self.sink.event(ref, type_, reason, message[:1024])
-        except Exception as error:
-            log.warning("posting Event %s for %s failed: %s", reason, ref.key, error)
+        self.events.queue(record, type_, reason, message)
 
     async def drain_events(self, timeout_s: float | None = None) -> None:
         """Wait for Events still being posted; after ``timeout_s`` the rest are dropped (shutdown)."""
-        pending = list(self._pending_events)
-        if not pending:
-            return
-        _, late = await asyncio.wait(pending, timeout=timeout_s)
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.gather(*late, return_exceptions=True)
+        await self.events.drain(timeout_s)
 
     def facts(self, record: ProfileRecord) -> StatusFacts:
         return status_facts(record, self.pods_of(record))
