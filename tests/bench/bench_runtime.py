@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.engine.engine import Engine, GenerationRequest
+from batchpilot_runtime.engine.engine import Engine
+from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.model.batch import ForwardBatch
 from batchpilot_runtime.model.config import config_from_name, describe
 from batchpilot_runtime.model.kv_cache import PagedKVCache
@@ -56,7 +57,8 @@ from batchpilot_runtime.replay.trace import (
     scale_trace,
     time_scale_for_rate,
 )
-from batchpilot_runtime.scheduling.scheduler import RequestTimings, Scheduler, SchedulerConfig, StepStats
+from batchpilot_runtime.scheduling.scheduler import Scheduler
+from batchpilot_runtime.scheduling.types import RequestTimings, SchedulerConfig, StepStats
 
 SYSTEMS = ("continuous", "static", "sequential", "hf_static")
 BLOCK_SIZE = 16

@@ -66,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
     from batchpilot_runtime.engine.engine import Engine
     from batchpilot_runtime.model.batch import ForwardBatch
     from batchpilot_runtime.replay.cost_model import StepComposition, fit_cost_model
-    from batchpilot_runtime.scheduling.scheduler import SchedRequest
+    from batchpilot_runtime.scheduling.types import SchedRequest
 
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
     prompt_lengths = _ints(args.prompt_lengths, "--prompt-lengths")
