@@ -589,6 +589,30 @@ def test_lowering_the_cap_below_the_running_count_evicts_nothing() -> None:
     assert plan.stats.admitted_requests == 1
 
 
+def test_a_staged_lane_takes_requests_at_once_and_admits_them_when_applied() -> None:
+    scheduler = make_scheduler(target=1, cap=4, wait_ms=0)
+    lanes = {"critical": make_lane("critical", target=1, cap=2, wait_ms=0, reserved=1)}
+    scheduler.set_window(make_window(target=1, cap=4, wait_ms=0, generation=1), lanes)
+    scheduler.add_request(make_requests(1, lane="critical", prefix="c")[0])
+    assert scheduler.lanes == {}
+    assert scheduler.waiting_ids("critical") == ("c0",)
+    plan = scheduler.schedule(0.0)
+    assert scheduler.lanes == lanes
+    assert [seq.request_id for seq in plan.seqs] == ["c0"]
+
+
+def test_a_request_for_a_staged_lane_replaced_before_it_applies_finishes_in_the_retired_lane() -> None:
+    scheduler = make_scheduler(target=1, cap=4, wait_ms=0)
+    scheduler.set_window(make_window(target=1, cap=4, wait_ms=0, generation=1), {"critical": make_lane("critical")})
+    scheduler.add_request(make_requests(1, max_new=2, lane="critical", prefix="c")[0])
+    scheduler.set_window(make_window(target=1, cap=4, wait_ms=0, generation=2), {})
+    for t in range(4):
+        step(scheduler, float(t))
+    assert not scheduler.has_unfinished
+    with pytest.raises(RequestRejected, match="lane"):
+        scheduler.add_request(make_requests(1, lane="critical", prefix="c", start=1)[0])
+
+
 def test_a_later_set_window_replaces_the_staged_window_and_keeps_staged_lanes() -> None:
     scheduler = make_scheduler()
     lanes = {"critical": make_lane("critical", reserved=1)}
