@@ -1,5 +1,9 @@
 """The tuning policy: (spec, window in force, observations, state, now) -> decision.
 
+:func:`decide` applies the gates and orders the moves; the moves themselves are pure functions in
+:mod:`batchpilot_operator.tuning.moves`, and every reason is rendered from the decision's parts by
+:mod:`batchpilot_operator.tuning.reasons`.
+
 How it works
 ------------
 
@@ -52,14 +56,13 @@ at the next step with room, oldest first, so marking changes nothing).
 
 A wait only pays while the engine would otherwise idle. Under continuous batching
 a request held back while sequences decode joins a step that runs anyway: it saves
-no step and spends its latency (on the benchmark's trace at load x0.3, waits of up to
-100 ms left the number of steps unchanged within 0.003 % and raised P99 from 0.42 s
-to 0.55 s). So when the engine decodes half of the time or more (generated tokens per
-second over the mean batch is decode steps per second; times the step time at that
-batch, busy time), the wait goes to its lower bound, with no confirmation needed since
-that only shortens latency, and a target the running batch does not reach comes down
-to what it fills, so that admissions still fire on the target. The arrival-following
-wait above is for an engine that idles between requests.
+no step and spends its latency (measured figures: tests/bench/NOTES.md). So when the
+engine decodes half of the time or more (generated tokens per second over the mean
+batch is decode steps per second; times the step time at that batch, busy time),
+the wait goes to its lower bound, with no confirmation needed since that only shortens
+latency, and a target the running batch does not reach comes down to what it fills, so
+that admissions still fire on the target. The arrival-following wait above is for an
+engine that idles between requests.
 
 The prompt-token budget per step (``maxPrefillTokens``) is the lever between the two tails an
 iteration-level engine trades: a long prompt prefilled in one step stalls every decode of that
@@ -98,52 +101,57 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
-from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, WindowBounds
-from batchpilot_operator.tuning.friendliness import CLASS_CAP_CEILING, FriendlinessEstimate, measure, merge_curve
+from batchpilot_operator.api.profile import BatchProfileSpec, WindowBounds
+from batchpilot_operator.tuning import reasons
+from batchpilot_operator.tuning.friendliness import FriendlinessEstimate, measure, merge_curve
+from batchpilot_operator.tuning.moves import (
+    DEFAULT_CONFIG,
+    RATIO_MIN_STEP,
+    SIZE_MIN_STEP,
+    WAIT_MIN_STEP_MS,
+    Direction,
+    PolicyConfig,
+    Reading,
+    allowed_step,
+    budget_move,
+    busy_share,
+    cap_ceiling,
+    cap_move,
+    clamp_into_bounds,
+    desired_wait_ms,
+    direction,
+    itl_ratio,
+    latency_ratio,
+    lift_ceiling,
+    memory_move,
+    read,
+    slo_over,
+    step_time_s,
+    tail_ratio,
+    target_wait_move,
+)
 from batchpilot_operator.tuning.observations import Observations, known
 from batchpilot_runtime.contract.window import Window
 
-Direction = Literal["up", "down", "hold", "reset"]
-
-WAIT_MIN_STEP_MS = 5
-RATIO_MIN_STEP = 0.1
-SIZE_MIN_STEP = 1
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Constants of the policy (not part of the resource; tests and the simulator may vary them)."""
-
-    min_samples: int = 20
-    headroom_ratio: float = 0.6  # P99 below this share of the SLO is headroom
-    up_confirm_intervals: int = 2  # headroom must last this many intervals before going up
-    wait_min_change: float = 0.25  # with headroom, a smaller relative move of the wait is not worth a decision
-    wait_raise_ratio: float = 0.85  # in the dead band, a far too short wait rises only under this share of the SLO
-    dead_band_confirm_intervals: int = 4  # ... for this many intervals in a row (so close to the SLO, noise flips it)
-    kv_soft_ratio: float = 0.9  # KV usage above this blocks every cap raise
-    preemption_share_high: float = 0.01  # preemptions per arrival
-    preemptions_per_s_high: float = 0.5
-    kv_ceiling_calm_intervals: int = 20  # memory-calm intervals before the memory ceiling lifts
-    wait_fill_margin: float = 1.5
-    wait_slo_fraction: float = 0.1
-    cap_reach_ratio: float = 0.7  # the running batch "reaches" the cap above this share of it
-    cap_spare_factor: float = 4.0  # within the SLO the cap keeps this multiple of the running batch
-    queue_bound_share: float = 0.25  # a queue this share of the cap (with the cap reached) is a backlog
-    default_tail_ratio: float = 2.0
-    tail_share_high: float = 0.2
-    tail_share_low: float = 0.05
-    step_slo_share: float = 0.2  # a decode step longer than this share of the SLO makes the cap a latency cause
-    busy_share_no_wait: float = 0.5  # decoding this share of the time or more, a wait buys nothing
-    itl_raise_ratio: float = 0.7  # the budget may rise only with the inter-token P99 under this share of its target
-    itl_setpoint_ratio: float = 0.85  # ... and towards the budget that puts it at this share
-    budget_ceiling_calm_intervals: int = 20  # gaps within target this long before the budget ceiling lifts
-    budget_min_change: float = 0.05  # a smaller relative move of the budget is not worth a decision
-    budget_raise_ttft_ratio: float = 0.6  # first tokens this close to their target ask for a larger budget
-
-
-DEFAULT_CONFIG = PolicyConfig()
+__all__ = [
+    "DEFAULT_CONFIG",
+    "RATIO_MIN_STEP",
+    "SIZE_MIN_STEP",
+    "WAIT_MIN_STEP_MS",
+    "Decision",
+    "Direction",
+    "PolicyConfig",
+    "PolicyState",
+    "allowed_step",
+    "busy_share",
+    "decide",
+    "desired_wait_ms",
+    "itl_ratio",
+    "latency_ratio",
+    "slo_over",
+    "step_time_s",
+]
 
 
 @dataclass(frozen=True)
@@ -177,261 +185,6 @@ class Decision:
         return self.direction in ("up", "down", "reset")
 
 
-def allowed_step(old: float, fraction: float, min_step: float) -> float:
-    """Largest change of a field in one decision: ``fraction`` of it, or ``min_step``."""
-    return max(abs(old) * fraction, min_step)
-
-
-def _limit_int(old: int, desired: float, fraction: float, lo: int, hi: int) -> int:
-    step = allowed_step(old, fraction, SIZE_MIN_STEP)
-    if desired > old:
-        value = min(math.floor(desired), math.floor(old + step))
-    else:
-        value = max(math.ceil(desired), math.ceil(old - step))
-    return max(lo, min(hi, value))
-
-
-def _limit_wait(old: int, desired: float, fraction: float, lo: int, hi: int) -> int:
-    step = allowed_step(old, fraction, WAIT_MIN_STEP_MS)
-    if desired > old:
-        value = min(math.floor(desired), math.floor(old + step))
-    else:
-        value = max(math.ceil(desired), math.ceil(old - step))
-    return max(lo, min(hi, value))
-
-
-def _limit_ratio(old: float, desired: float, fraction: float, lo: float, hi: float) -> float:
-    step = allowed_step(old, fraction, RATIO_MIN_STEP)
-    value = min(desired, old + step) if desired > old else max(desired, old - step)
-    # Rounded for a readable status, then clamped so that rounding cannot step outside the bounds.
-    return max(lo, min(hi, round(value, 3)))
-
-
-def _clamp_into_bounds(window: Window, bounds: WindowBounds) -> Window:
-    cap = bounds.hard_cap.clamp(window.hard_cap)
-    cap = max(cap, bounds.target_batch_size.min)
-    target = min(bounds.target_batch_size.clamp(window.target_batch_size), cap)
-    return window.model_copy(
-        update={
-            "target_batch_size": target,
-            "hard_cap": cap,
-            "max_wait_ms": bounds.max_wait_ms.clamp(window.max_wait_ms),
-            "tail_mark_ratio": bounds.tail_mark_ratio.clamp(window.tail_mark_ratio),
-            "max_prefill_tokens": (
-                None
-                if window.max_prefill_tokens is None
-                else bounds.max_prefill_tokens.clamp(window.max_prefill_tokens)
-            ),
-        }
-    )
-
-
-def _lift_ceiling(ceiling: int | None, streak: int, needed: int, fraction: float, top: int) -> tuple[int | None, int]:
-    """A ceiling one step higher once ``streak`` calm intervals reach ``needed`` (the streak then
-    restarts); gone once it reaches ``top``. Returns the ceiling and the streak."""
-    if ceiling is None or streak < needed:
-        return ceiling, streak
-    lifted = math.floor(ceiling + allowed_step(ceiling, fraction, SIZE_MIN_STEP))
-    return (None if lifted >= top else lifted), 0
-
-
-def cap_ceiling(spec: BatchProfileSpec, estimate: FriendlinessEstimate | None, state: PolicyState) -> int:
-    """Highest cap the policy may choose now: bounds, friendliness class, memory ceiling."""
-    ceiling = spec.tuning.bounds.hard_cap.max
-    friendliness = spec.batch_friendliness
-    if friendliness == Friendliness.AUTO:
-        measured = estimate.measured_class if estimate is not None else None
-        friendliness = measured or Friendliness.MEDIUM
-    ceiling = min(ceiling, CLASS_CAP_CEILING[friendliness])
-    if state.kv_cap_ceiling is not None:
-        ceiling = min(ceiling, state.kv_cap_ceiling)
-    return max(ceiling, spec.tuning.bounds.hard_cap.min, spec.tuning.bounds.target_batch_size.min)
-
-
-def busy_share(obs: Observations) -> float:
-    """Share of the time the engine spends in decode steps (NaN when unknown).
-
-    Each decode step yields one token per running sequence, so generated tokens per second over
-    the mean batch is decode steps per second; times the step time at that batch, busy time.
-    """
-    step_s = step_time_s(obs)
-    tokens, batch = obs.tokens_per_s, obs.mean_batch_size
-    if not (known(step_s) and known(tokens) and known(batch) and batch > 0):
-        return math.nan
-    return min(1.0, tokens / batch * step_s)
-
-
-def desired_wait_ms(spec: BatchProfileSpec, target: int, obs: Observations, config: PolicyConfig) -> float:
-    """The wait that lets arrivals fill the gap between the running batch and the target.
-
-    Unknown or zero arrival rate: the longest the bounds and the SLO budget allow. An engine
-    that decodes most of the time: the shortest. Under continuous batching a held-back request
-    joins a step that runs anyway, so the wait saves no step there and only adds its latency
-    (measured on the benchmark's trace at load x0.3: the same steps within 0.003 %, P99
-    0.42 s -> 0.55 s); it only merges prefills into one step when the engine would otherwise idle.
-    """
-    bound = spec.tuning.bounds.max_wait_ms
-    busy = busy_share(obs)
-    if known(busy) and busy >= config.busy_share_no_wait:
-        return float(bound.min)
-    slo_ms = spec.slo.p99_ms
-    # Without a latency objective of its own, the wait is only bounded by the bounds.
-    budget_ms = float(bound.max) if slo_ms is None else min(float(bound.max), config.wait_slo_fraction * slo_ms)
-    running = obs.mean_batch_size if known(obs.mean_batch_size) else 0.0
-    gap = max(1.0, target - running)
-    rate = obs.arrival_rate_per_s
-    if not known(rate) or rate <= 0:
-        return max(float(bound.min), budget_ms)
-    fill_ms = config.wait_fill_margin * gap / rate * 1000.0
-    return max(float(bound.min), min(budget_ms, fill_ms))
-
-
-def _memory_pressure(obs: Observations, config: PolicyConfig) -> str | None:
-    if known(obs.preemptions_per_s) and obs.preemptions_per_s > 0:
-        per_arrival = (
-            obs.preemptions_per_s / obs.arrival_rate_per_s
-            if known(obs.arrival_rate_per_s) and obs.arrival_rate_per_s > 0
-            else math.inf
-        )
-        if obs.preemptions_per_s >= config.preemptions_per_s_high or per_arrival >= config.preemption_share_high:
-            return f"{obs.preemptions_per_s:.2g} preemptions/s"
-    return None
-
-
-def step_time_s(obs: Observations) -> float:
-    """Mean decode step time at the running batch's size (the nearest measured bucket at or above it)."""
-    if not obs.step_s_by_batch:
-        return math.nan
-    running = obs.mean_batch_size if known(obs.mean_batch_size) else 1.0
-    at_or_above = [b for b in obs.step_s_by_batch if b >= running]
-    bucket = min(at_or_above) if at_or_above else max(obs.step_s_by_batch)
-    return obs.step_s_by_batch[bucket]
-
-
-def _tail_ratio(
-    window: Window, new_wait: int, obs: Observations, fraction: float, bounds: WindowBounds, config: PolicyConfig
-) -> float:
-    """Raise the ratio when marking catches too many (marking too early marks everyone); drift back
-    towards the default when marking is rare again.
-
-    Left alone with no wait: every queued request is then admitted at the next step that has room,
-    oldest first, so marking changes nothing, and the share it reports only measures step length
-    (the rolling P50 wait is half a step; at load x0.64 it drove the ratio to its bound).
-    """
-    current = window.tail_mark_ratio
-    share = obs.tail_marked_share
-    if not known(share) or new_wait == 0:
-        return current
-    if share > config.tail_share_high:
-        desired = current + 0.25
-    elif share < config.tail_share_low and current > config.default_tail_ratio:
-        desired = max(config.default_tail_ratio, current - 0.25)
-    else:
-        return current
-    return _limit_ratio(current, desired, fraction, bounds.tail_mark_ratio.min, bounds.tail_mark_ratio.max)
-
-
-@dataclass(frozen=True)
-class BudgetMove:
-    """The prompt-token budget after one decision, and why (empty when it holds)."""
-
-    budget: int | None
-    why: str = ""
-    itl_over: bool = False
-
-
-def latency_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
-    """P99 of the SLO's latency metric over ``slo.p99Ms`` (inf when saturated; NaN without a
-    target or data)."""
-    target_ms = spec.slo.p99_ms
-    if target_ms is None:
-        return math.nan
-    if obs.p99_saturated:
-        return math.inf
-    return obs.p99_s * 1000.0 / target_ms if known(obs.p99_s) else math.nan
-
-
-def slo_over(spec: BatchProfileSpec, obs: Observations) -> bool | None:
-    """Whether any P99 objective of the SLO is over its target; None when none of them has data."""
-    ratios = [r for r in (latency_ratio(spec, obs), itl_ratio(spec, obs)) if not math.isnan(r)]
-    return any(r > 1.0 for r in ratios) if ratios else None
-
-
-def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
-    """Inter-token P99 over its target (inf when saturated; NaN without a target or data)."""
-    target_ms = spec.slo.inter_token_p99_ms
-    if target_ms is None:
-        return math.nan
-    if obs.itl_p99_saturated:
-        return math.inf
-    return obs.itl_p99_s * 1000.0 / target_ms if known(obs.itl_p99_s) else math.nan
-
-
-def budget_move(
-    spec: BatchProfileSpec,
-    window: Window,
-    obs: Observations,
-    ttft_ratio: float,
-    config: PolicyConfig,
-    ceiling: int | None = None,
-) -> BudgetMove:
-    """The budget from the two tails: see the module docstring. ``ttft_ratio`` is NaN when the SLO
-    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead."""
-    budget = window.max_prefill_tokens
-    ratio = itl_ratio(spec, obs)
-    if math.isnan(ratio):
-        return BudgetMove(budget)
-    bound = spec.tuning.bounds.max_prefill_tokens
-    fraction = spec.tuning.max_step_fraction
-    current = bound.max if budget is None else budget
-    itl_text = (
-        "inter-token P99 beyond the top bucket"
-        if math.isinf(ratio)
-        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
-    )
-    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
-    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
-    # The gap grows about linearly with a step's prompt tokens and the first-token delay of a
-    # queue about inversely: sqrt(TTFT ratio / gap ratio) is the move that would balance the two.
-    # Without a first-token objective nothing holds a cut back (balance 0).
-    first_tokens = not math.isnan(ttft_ratio)
-    balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
-    if ratio > 1.0:
-        # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
-        factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
-        if factor > 1.0 - config.budget_min_change:
-            # First tokens at least as far over: a cut would only move the pain to the worse tail.
-            return BudgetMove(budget, itl_over=True)
-        new = _limit_int(current, current * factor, fraction, bound.min, bound.max)
-        if new == budget:
-            return BudgetMove(budget, itl_over=True)
-        why = f"lowering the prefill budget to {new} tokens ({itl_text} over its {target_text} target)"
-        return BudgetMove(new, why, itl_over=True)
-    if budget is None:
-        return BudgetMove(budget)
-    # Without a first-token objective, prompts waiting in the queue are what asks for a larger budget.
-    first_tokens_wait = (
-        ttft_ratio > config.budget_raise_ttft_ratio
-        if first_tokens
-        else known(obs.queue_depth) and obs.queue_depth >= 1.0
-    )
-    if ratio < config.itl_raise_ratio and first_tokens_wait:
-        factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
-    elif ttft_ratio > 1.0:
-        # First tokens over, gaps within target but close: balance, never past the gap target.
-        factor = min(balance, 0.95 / ratio)
-    else:
-        return BudgetMove(budget)
-    if factor < 1.0 + config.budget_min_change:
-        return BudgetMove(budget)
-    new = _limit_int(current, current * factor, fraction, bound.min, top)
-    if new <= budget:
-        return BudgetMove(budget)
-    need = "first tokens need it" if first_tokens else f"{obs.queue_depth:.0f} prompts wait"
-    why = f"raising the prefill budget to {new} tokens ({need}; {itl_text} leaves room under {target_text})"
-    return BudgetMove(new, why)
-
-
 def decide(
     spec: BatchProfileSpec,
     window: Window,
@@ -442,9 +195,6 @@ def decide(
 ) -> Decision:
     """One tuning decision. Pure: same inputs, same decision."""
     bounds = spec.tuning.bounds
-    fraction = spec.tuning.max_step_fraction
-    has_ttft = spec.slo.p99_ms is not None
-    slo_s = spec.slo.p99_ms / 1000.0 if spec.slo.p99_ms is not None else math.nan
 
     # 1. Fold this interval's step times into the friendliness curve (whatever else happens).
     curve = merge_curve(state.step_curve, obs.step_s_by_batch)
@@ -456,360 +206,152 @@ def decide(
 
     # 2. Bounds win over everything, including the cooldown.
     if bounds.fields_outside(window) or window.target_batch_size > window.hard_cap:
-        clamped = _clamp_into_bounds(window, bounds).with_generation(window.generation + 1)
-        return Decision(
-            clamped,
-            "reset",
-            f"The window in force ({window.describe()}) lay outside tuning.bounds; clamped into them.",
-            replace(state, last_change_s=now_s, headroom_streak=0),
-            estimate,
-        )
+        clamped = clamp_into_bounds(window, bounds).with_generation(window.generation + 1)
+        state = replace(state, last_change_s=now_s, headroom_streak=0)
+        return Decision(clamped, "reset", reasons.reset(window), state, estimate)
 
     # 3. Refuse to act on what cannot be trusted.
-    # NaN where the SLO has no such objective (the other one then decides alone) or no data.
-    ratio = latency_ratio(spec, obs)
-    itl = itl_ratio(spec, obs)
-    if math.isnan(ratio if has_ttft else itl):
-        what = "latency" if has_ttft else "inter-token"
-        return hold(
-            f"No {what} data this interval (no traffic or no series); holding.", replace(state, headroom_streak=0)
-        )
-    if not known(obs.samples) or obs.samples < config.min_samples:
-        samples = "an unknown number of" if not known(obs.samples) else f"{obs.samples:.0f}"
-        return hold(
-            f"Too sparse: P99 rests on {samples} requests (< {config.min_samples}); holding.",
-            replace(state, headroom_streak=0),
-        )
-    saturated = obs.p99_saturated
-    if spec.slo.p99_ms is not None:
-        p99_text = (
-            f"P99 beyond {obs.p99_s * 1000:.0f} ms (top bucket)" if saturated else f"P99 {obs.p99_s * 1000:.0f} ms"
-        )
-        slo_text = f"SLO {spec.slo.p99_ms:.0f} ms"
-    else:
-        p99_text = (
-            "inter-token P99 beyond the top bucket"
-            if obs.itl_p99_saturated
-            else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
-        )
-        slo_text = f"its {spec.slo.inter_token_p99_ms:.0f} ms target"
+    untrusted = _untrusted(spec, obs, config)
+    if untrusted is not None:
+        return hold(untrusted, replace(state, headroom_streak=0))
+    reading = read(spec, obs, config)
+    state = _advance_streaks(state, spec, reading, config)
+    if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
+        left_s = spec.tuning.cooldown_seconds - (now_s - state.last_change_s)
+        return hold(reasons.cooldown(spec, obs, left_s), state)
 
-    pressure = _memory_pressure(obs, config)
-    calm = pressure is None and not (known(obs.kv_usage_ratio) and obs.kv_usage_ratio >= config.kv_soft_ratio)
-    calm_streak = state.calm_streak + 1 if calm else 0
-    # Memory calm for a while: the cap may climb one more step.
-    kv_ceiling, calm_streak = _lift_ceiling(
-        state.kv_cap_ceiling, calm_streak, config.kv_ceiling_calm_intervals, fraction, bounds.hard_cap.max
+    # 4. The budget, from the two tails; a cut sets the ceiling that later raises stop below.
+    budget = budget_move(spec, window, obs, reading.ratio, config, state.budget_ceiling)
+    if budget.itl_over and budget.budget is not None:
+        state = replace(state, budget_ceiling=budget.budget, itl_calm_streak=0)
+
+    # 5. Memory pressure: lower the cap and remember it as a ceiling.
+    if reading.pressure:
+        target, cap = memory_move(spec, window, reading)
+        state = replace(state, kv_cap_ceiling=cap, calm_streak=0, headroom_streak=0)
+        fields = (target, cap, window.max_wait_ms, window.tail_mark_ratio, window.max_prefill_tokens)
+        return _change(window, fields, "down", reasons.memory(obs, cap), state, now_s, estimate)
+
+    # 6. The cap, then target and wait within it.
+    cap_moved = cap_move(spec, window, reading, cap_ceiling(spec, estimate, state.kv_cap_ceiling), config)
+    confirmed = reading.headroom and state.headroom_streak >= config.up_confirm_intervals
+    under = state.under_streak >= config.dead_band_confirm_intervals
+    target_wait = target_wait_move(
+        spec, window, obs, reading, cap_moved.cap, estimate, config, confirmed_headroom=confirmed, confirmed_under=under
     )
-    over = ratio > 1.0
-    itl_over = itl > 1.0
-    # The zones of target and wait follow the first-token objective, or the gaps when it is the only one.
-    zone_ratio = ratio if has_ttft else itl
-    headroom = zone_ratio < config.headroom_ratio and not itl_over
-    headroom_streak = state.headroom_streak + 1 if headroom and pressure is None else 0
-    under_streak = state.under_streak + 1 if zone_ratio < config.wait_raise_ratio and not itl_over else 0
+    new_target, new_cap, new_wait = min(target_wait.new_target, cap_moved.cap), cap_moved.cap, target_wait.wait
+
+    # 7. The tail ratio only rides along with another change: on its own it would be a decision
+    # (and a push) for a second-order knob.
+    in_force = (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.max_prefill_tokens)
+    tail = window.tail_mark_ratio
+    if (new_target, new_cap, new_wait, budget.budget) != in_force:
+        tail = tail_ratio(window, new_wait, obs, spec.tuning.max_step_fraction, bounds, config)
+    if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
+        return hold(reasons.hold(spec, obs, reading, confirmed), state)
+
+    # 8. Name the direction and say why.
+    fields = (new_target, new_cap, new_wait, tail, budget.budget)
+    moved = _direction(window, fields, bounds, reading)
+    streak = state.headroom_streak if confirmed else None
+    reason = reasons.change(
+        spec, obs, window, _window(window, fields), reading, (budget, cap_moved, target_wait), streak
+    )
+    if moved == "up":
+        state = replace(state, headroom_streak=0)
+    return _change(window, fields, moved, reason, state, now_s, estimate)
+
+
+def _untrusted(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> str | None:
+    """Why this interval cannot be acted on (no data for the deciding objective, too few
+    samples), or None."""
+    # NaN where the SLO has no such objective (the other one then decides alone) or no data.
+    ratio = latency_ratio(spec, obs) if spec.slo.p99_ms is not None else itl_ratio(spec, obs)
+    if math.isnan(ratio):
+        return reasons.no_data(spec)
+    if not known(obs.samples) or obs.samples < config.min_samples:
+        return reasons.too_sparse(obs, config)
+    return None
+
+
+def _advance_streaks(state: PolicyState, spec: BatchProfileSpec, reading: Reading, config: PolicyConfig) -> PolicyState:
+    """The memory after this interval: streaks counted on, and the memory and budget ceilings
+    lifted a step after enough calm intervals."""
+    bounds = spec.tuning.bounds
+    fraction = spec.tuning.max_step_fraction
+    calm = not reading.pressure and not reading.soft_full
+    # Memory calm for a while: the cap may climb one more step.
+    kv_ceiling, calm_streak = lift_ceiling(
+        state.kv_cap_ceiling,
+        state.calm_streak + 1 if calm else 0,
+        config.kv_ceiling_calm_intervals,
+        fraction,
+        bounds.hard_cap.max,
+    )
     # The same for the budget: a gap over its target sets a ceiling, lifted a step after calm.
-    itl_calm_streak = state.itl_calm_streak + 1 if itl <= 1.0 else 0
-    budget_ceiling, itl_calm_streak = _lift_ceiling(
+    budget_ceiling, itl_calm_streak = lift_ceiling(
         state.budget_ceiling,
-        itl_calm_streak,
+        state.itl_calm_streak + 1 if reading.itl <= 1.0 else 0,
         config.budget_ceiling_calm_intervals,
         fraction,
         bounds.max_prefill_tokens.max,
     )
-    state = replace(
+    under = reading.zone_ratio < config.wait_raise_ratio and not reading.itl_over
+    return replace(
         state,
         calm_streak=calm_streak,
         kv_cap_ceiling=kv_ceiling,
-        headroom_streak=headroom_streak,
-        under_streak=under_streak,
+        headroom_streak=state.headroom_streak + 1 if reading.headroom and not reading.pressure else 0,
+        under_streak=state.under_streak + 1 if under else 0,
         budget_ceiling=budget_ceiling,
         itl_calm_streak=itl_calm_streak,
     )
 
-    if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
-        left = spec.tuning.cooldown_seconds - (now_s - state.last_change_s)
-        return hold(f"{p99_text} vs {slo_text}, but in cooldown for {left:.0f} s more; holding.", state)
 
-    target, cap, wait = window.target_batch_size, window.hard_cap, window.max_wait_ms
-    budget = budget_move(spec, window, obs, ratio, config, state.budget_ceiling)
-    if budget.itl_over and budget.budget is not None:
-        # Raises stop below what was too much, until the gaps have been calm for a while.
-        state = replace(state, budget_ceiling=budget.budget, itl_calm_streak=0)
-    cap_floor = max(bounds.hard_cap.min, bounds.target_batch_size.min)
-    running = obs.mean_batch_size if known(obs.mean_batch_size) else math.nan
-    queue = obs.queue_depth if known(obs.queue_depth) else 0.0
+Fields = tuple[int, int, int, float, int | None]  # target, cap, wait, tail-mark ratio, prefill budget
 
-    # 4. Memory pressure: lower the cap and remember it as a ceiling.
-    if pressure is not None:
-        base = min(cap, math.ceil(running)) if known(running) and running >= 1 else cap
-        new_cap = _limit_int(cap, base * (1 - fraction / 2), fraction, cap_floor, bounds.hard_cap.max)
-        new_target = max(bounds.target_batch_size.min, min(target, new_cap))
-        state = replace(state, kv_cap_ceiling=new_cap, calm_streak=0, headroom_streak=0)
-        return _change(
-            window,
-            new_target,
-            new_cap,
-            wait,
-            window.tail_mark_ratio,
-            "down",
-            f"{pressure}: lowering the cap to {new_cap} (and not raising it again until memory is calm).",
-            state,
-            now_s,
-            estimate,
-        )
 
-    # 5. The cap: throughput when the backlog needs it, step time when the batch itself is slow.
-    ceiling = cap_ceiling(spec, estimate, state)
-    soft_full = known(obs.kv_usage_ratio) and obs.kv_usage_ratio >= config.kv_soft_ratio
-    cap_reached = known(running) and running >= config.cap_reach_ratio * cap
-    queue_bound = cap_reached and queue >= max(2.0, config.queue_bound_share * cap)
-    confirmed_headroom = headroom and headroom_streak >= config.up_confirm_intervals
-    severity = 1.0 if saturated else min(1.0, max(0.3, ratio - 1.0))
-    cut = fraction * severity
-    new_cap = cap
-    cap_why = ""
-    slow_steps = over and step_time_s(obs) > config.step_slo_share * slo_s
-    budget_floor = bounds.max_prefill_tokens.min
-    floor_gaps = itl_over and (window.max_prefill_tokens or bounds.max_prefill_tokens.max) <= budget_floor
-    if queue_bound and not soft_full and cap < ceiling:
-        # A backlog that the running batch cannot absorb is a throughput problem, whatever P99 says.
-        new_cap = _limit_int(cap, cap * (1 + fraction), fraction, cap_floor, min(ceiling, bounds.hard_cap.max))
-        cap_why = f"raising the cap to {new_cap} ({queue:.0f} waiting with the batch at its cap)"
-    elif cap_reached and not queue_bound and (slow_steps or floor_gaps):
-        # The cap comes down for latency when the batch itself is slow: steps too long for the TTFT
-        # SLO, or gaps too long with the budget already at its floor (what is left of a step is the
-        # batch's decode). Both read the window in force, not this decision's other moves, and the
-        # deeper cut wins, so that a worse first-token P99 never leaves a larger cap.
-        cap_cuts: list[tuple[int, str]] = []
-        if slow_steps:
-            ttft_cap = _limit_int(cap, cap * (1 - cut), fraction, cap_floor, bounds.hard_cap.max)
-            cap_cuts.append(
-                (ttft_cap, f"steps of {step_time_s(obs) * 1000:.0f} ms at this batch are too long for the SLO")
-            )
-        if floor_gaps:
-            itl_cut = fraction * (1.0 if math.isinf(itl) else min(1.0, max(0.3, itl - 1.0)))
-            itl_cap = _limit_int(cap, cap * (1 - itl_cut), fraction, cap_floor, bounds.hard_cap.max)
-            cap_cuts.append((itl_cap, "the prefill budget is at its floor and gaps are still too long"))
-        new_cap, why = min(cap_cuts)
-        cap_why = f"lowering the cap to {new_cap} ({why})"
-    elif (
-        not over
-        and not itl_over
-        and known(running)
-        and running * config.cap_spare_factor > cap
-        and not soft_full
-        and cap < ceiling
-    ):
-        # Within the SLO the cap keeps room for a burst of a few times the running batch: a spare
-        # slot costs nothing until it is used, and a missing one turns the next burst into a queue.
-        new_cap = _limit_int(
-            cap, running * config.cap_spare_factor, fraction, cap_floor, min(ceiling, bounds.hard_cap.max)
-        )
-        cap_why = f"raising the cap to {new_cap} (room for a burst over the running batch of {running:.0f})"
-
-    # 6. Target and wait: down at once when over, up on confirmed headroom as far as arrivals fill it.
-    new_target, new_wait = target, wait
-    target_why = ""
-    # With the running batch at or above the target every arrival is admitted at once: the wait never fires.
-    target_fills_itself = known(running) and running >= target
-    busy = busy_share(obs)
-    engine_busy = known(busy) and busy >= config.busy_share_no_wait
-    busy_why = f"the engine decodes {busy:.0%} of the time, so a held request would only join a later step"
-    if over:
-        new_wait = _limit_wait(
-            wait,
-            min(desired_wait_ms(spec, target, obs, config), wait * (1 - cut)),
-            fraction,
-            bounds.max_wait_ms.min,
-            bounds.max_wait_ms.max,
-        )
-        if not (target_fills_itself and new_wait <= bounds.max_wait_ms.min):
-            # A target the running batch already exceeds holds nothing back: lowering it would be a
-            # decision (and a push) that changes nothing.
-            new_target = _limit_int(
-                target, target * (1 - cut), fraction, bounds.target_batch_size.min, bounds.target_batch_size.max
-            )
-        target_why = "lowering wait and target" if new_target != target else "lowering the wait"
-    elif confirmed_headroom and engine_busy:
-        # A larger target would only be reached through a wait, and a wait buys nothing here.
-        new_wait = _limit_wait(wait, bounds.max_wait_ms.min, fraction, bounds.max_wait_ms.min, bounds.max_wait_ms.max)
-        target_why = f"dropping the wait ({busy_why})"
-    elif confirmed_headroom:
-        target_ceiling = min(new_cap, bounds.target_batch_size.max)
-        if spec.batch_friendliness == Friendliness.AUTO and estimate is not None and estimate.knee_batch_size:
-            target_ceiling = min(target_ceiling, max(estimate.knee_batch_size, bounds.target_batch_size.min))
-        desired_target = min(target * (1 + fraction), _fillable_target(obs, wait, config), target_ceiling)
-        if desired_target >= target + 1:
-            new_target = _limit_int(target, desired_target, fraction, bounds.target_batch_size.min, target_ceiling)
-        if not (known(running) and running >= new_target):
-            fill_wait = _limit_wait(
-                wait,
-                desired_wait_ms(spec, new_target, obs, config),
-                fraction,
-                bounds.max_wait_ms.min,
-                bounds.max_wait_ms.max,
-            )
-            # The fill time follows the arrival rate's noise: a move smaller than that is not made,
-            # or the wait would chase the noise up and down.
-            if new_target != target or abs(fill_wait - wait) >= max(WAIT_MIN_STEP_MS, config.wait_min_change * wait):
-                new_wait = fill_wait
-        # Say what moved: with a larger target the fill time can still ask for a shorter wait.
-        moved = [
-            f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
-            for name, old, new, unit in (("target", target, new_target, ""), ("wait", wait, new_wait, " ms"))
-            if new != old
-        ]
-        target_why = f"{' and '.join(moved)}, as far as arrivals fill them"
-    else:
-        # Dead band: only a wait far from what the arrival rate needs is moved.
-        want = desired_wait_ms(spec, target, obs, config)
-        if target_fills_itself and not engine_busy:
-            want = wait
-        # The raise is confirmed like any other: with P99 noisy around the SLO, a cut on one interval
-        # and a raise on the next would make the wait oscillate.
-        confirmed_under = under_streak >= config.dead_band_confirm_intervals
-        if want < wait / 3 or (want > 3 * wait + WAIT_MIN_STEP_MS and confirmed_under):
-            new_wait = _limit_wait(wait, want, fraction, bounds.max_wait_ms.min, bounds.max_wait_ms.max)
-            target_why = (
-                f"dropping the wait ({busy_why})"
-                if engine_busy
-                else f"moving the wait towards {want:.0f} ms, the time arrivals take to fill the target"
-            )
-    if not over and engine_busy and new_wait <= bounds.max_wait_ms.min and not target_fills_itself:
-        # Without a wait, a target above the running batch only turns admissions into timer
-        # admissions (a batch-hit ratio that says nothing): bring it to what the batch fills.
-        fill = max(bounds.target_batch_size.min, math.floor(_fillable_target(obs, new_wait, config)))
-        lowered = _limit_int(new_target, fill, fraction, bounds.target_batch_size.min, bounds.target_batch_size.max)
-        if lowered < new_target:
-            new_target = lowered
-            target_why = "; ".join(
-                p for p in (target_why, f"lowering the target to {lowered}, what the running batch fills") if p
-            )
-    new_target = min(new_target, new_cap)
-    # The tail ratio only rides along with another change: on its own it would be a decision
-    # (and a push) for a second-order knob.
-    tail = window.tail_mark_ratio
-    new_budget = budget.budget
-    if (new_target, new_cap, new_wait, new_budget) != (target, cap, wait, window.max_prefill_tokens):
-        tail = _tail_ratio(window, new_wait, obs, fraction, bounds, config)
-
-    if (new_target, new_cap, new_wait, tail, new_budget) == (
-        target,
-        cap,
-        wait,
-        window.tail_mark_ratio,
-        window.max_prefill_tokens,
-    ):
-        if itl_over:
-            return hold(
-                f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
-                "target, but the budget and the cap are already at their limits; holding.",
-                state,
-            )
-        if over:
-            return hold(f"{p99_text} over {slo_text}, but the window is already at its limits; holding.", state)
-        if confirmed_headroom:
-            return hold(
-                f"{p99_text} well under {slo_text}, but the load does not fill a larger window; holding.", state
-            )
-        zone = "under" if headroom else "near"
-        return hold(f"{p99_text} {zone} {slo_text} (dead band); holding.", state)
+def _direction(window: Window, fields: Fields, bounds: WindowBounds, reading: Reading) -> Direction:
+    target, cap, wait, tail, budget = fields
     top = bounds.max_prefill_tokens.max + 1  # an unset budget (whole prompts) is above any set one
-    budgets = (window.max_prefill_tokens or top, new_budget or top)
-    direction = _direction(((target, new_target), (cap, new_cap), (wait, new_wait), budgets), over or itl_over)
-    if direction is None:
-        direction = "up" if tail > window.tail_mark_ratio else "down"
-    if over:
-        lead = f"{p99_text} over {slo_text} ({'saturated' if saturated else f'{ratio:.2f}x the SLO'})"
-    elif itl_over and not has_ttft:
-        lead = f"{p99_text} over {slo_text}"
-    elif itl_over:
-        lead = f"{p99_text} within {slo_text}, inter-token P99 over its target"
-    elif confirmed_headroom:
-        lead = f"{p99_text} well under {slo_text} for {headroom_streak} intervals"
-    else:
-        lead = f"{p99_text} within {slo_text}"
-    actions = "; ".join(
-        part
-        for part in (
-            budget.why if new_budget != window.max_prefill_tokens else "",
-            target_why if (new_target, new_wait) != (target, wait) else "",
-            cap_why if new_cap != cap else "",
-        )
-        if part
+    budgets = (window.max_prefill_tokens or top, budget or top)
+    sizes = ((window.target_batch_size, target), (window.hard_cap, cap), (window.max_wait_ms, wait), budgets)
+    moved = direction(sizes, reading.over or reading.itl_over)
+    if moved is None:  # only the tail ratio moved
+        return "up" if tail > window.tail_mark_ratio else "down"
+    return moved
+
+
+def _window(window: Window, fields: Fields) -> Window:
+    target, cap, wait, tail, budget = fields
+    return Window(
+        target_batch_size=min(target, cap),
+        hard_cap=cap,
+        max_wait_ms=wait,
+        tail_mark_ratio=tail,
+        max_prefill_tokens=budget,
+        generation=window.generation + 1,
     )
-    if tail != window.tail_mark_ratio:
-        actions = "; ".join(p for p in (actions, f"tail-mark ratio to {tail:g}") if p)
-    if direction == "up":
-        state = replace(state, headroom_streak=0)
-    return _change(
-        window,
-        new_target,
-        new_cap,
-        new_wait,
-        tail,
-        direction,
-        f"{lead}: {actions}.",
-        state,
-        now_s,
-        estimate,
-        new_budget,
-    )
-
-
-def _direction(moves: tuple[tuple[int, int], ...], over: bool) -> Direction | None:
-    """ "up" when the window only grows, "down" when it only shrinks; a mixed move (the cap raised
-    for a backlog while target and wait fall for latency) is named by what drives it: "down"
-    while P99 is over the SLO, "up" otherwise. None when no size or wait field moved."""
-    grew = any(new > old for old, new in moves)
-    shrank = any(new < old for old, new in moves)
-    if grew and shrank:
-        return "down" if over else "up"
-    if grew:
-        return "up"
-    if shrank:
-        return "down"
-    return None
-
-
-def _fillable_target(obs: Observations, wait_ms: int, config: PolicyConfig) -> float:
-    """Largest target the load reliably reaches within the wait: half the mean running batch (the
-    running set dips below its mean half of the time) plus a third of the arrivals expected in the
-    wait (with three times the needed arrivals expected, Poisson arrivals fill the gap before the
-    wait fires at least 95 % of the time)."""
-    running = obs.mean_batch_size if known(obs.mean_batch_size) else 0.0
-    rate = obs.arrival_rate_per_s if known(obs.arrival_rate_per_s) else 0.0
-    return max(1.0, 0.5 * running + rate * wait_ms / 1000.0 / (2 * config.wait_fill_margin))
 
 
 def _change(
     window: Window,
-    target: int,
-    cap: int,
-    wait: int,
-    tail: float,
-    direction: Direction,
+    fields: Fields,
+    moved: Direction,
     reason: str,
     state: PolicyState,
     now_s: float,
     estimate: FriendlinessEstimate | None,
-    budget: int | Literal["keep"] | None = "keep",
 ) -> Decision:
-    target = min(target, cap)
-    new_budget = window.max_prefill_tokens if budget == "keep" else budget
-    fields = (target, cap, wait, tail, new_budget)
+    """The decision that puts ``fields`` in force, or a hold when they are the window in force."""
+    new_window = _window(window, fields)
     in_force = (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.tail_mark_ratio)
-    if fields == (*in_force, window.max_prefill_tokens):
-        return Decision(
-            window, "hold", reason.rstrip(".") + ", but the window is already at its limits; holding.", state, estimate
-        )
-    new_window = Window(
-        target_batch_size=target,
-        hard_cap=cap,
-        max_wait_ms=wait,
-        tail_mark_ratio=tail,
-        max_prefill_tokens=new_budget,
-        generation=window.generation + 1,
-    )
-    return Decision(new_window, direction, reason, replace(state, last_change_s=now_s), estimate)
+    if (*in_force, window.max_prefill_tokens) == (
+        new_window.target_batch_size,
+        new_window.hard_cap,
+        new_window.max_wait_ms,
+        new_window.tail_mark_ratio,
+        new_window.max_prefill_tokens,
+    ):
+        return Decision(window, "hold", reasons.at_limits(reason), state, estimate)
+    return Decision(new_window, moved, reason, replace(state, last_change_s=now_s), estimate)

@@ -1,0 +1,174 @@
+"""The words of a decision: each reason rendered from the parts the policy decided on.
+
+No arithmetic that decides anything lives here; the texts are part of the operator's interface
+(status, events, logs) and tests pin them, so a change of wording is a change of this module only.
+"""
+
+from __future__ import annotations
+
+import math
+
+from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.tuning.moves import BudgetMove, CapMove, PolicyConfig, Reading, TargetWaitMove
+from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_runtime.contract.window import Window
+
+AT_LIMITS = ", but the window is already at its limits; holding."
+
+
+def reset(window: Window) -> str:
+    return f"The window in force ({window.describe()}) lay outside tuning.bounds; clamped into them."
+
+
+def no_data(spec: BatchProfileSpec) -> str:
+    what = "latency" if spec.slo.p99_ms is not None else "inter-token"
+    return f"No {what} data this interval (no traffic or no series); holding."
+
+
+def too_sparse(obs: Observations, config: PolicyConfig) -> str:
+    samples = "an unknown number of" if not known(obs.samples) else f"{obs.samples:.0f}"
+    return f"Too sparse: P99 rests on {samples} requests (< {config.min_samples}); holding."
+
+
+def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
+    """The P99 that decides (first tokens, else the gaps) and its target, as the reasons name them."""
+    if spec.slo.p99_ms is not None:
+        p99_ms = obs.p99_s * 1000
+        p99_text = f"P99 beyond {p99_ms:.0f} ms (top bucket)" if obs.p99_saturated else f"P99 {p99_ms:.0f} ms"
+        return p99_text, f"SLO {spec.slo.p99_ms:.0f} ms"
+    p99_text = (
+        "inter-token P99 beyond the top bucket"
+        if obs.itl_p99_saturated
+        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+    )
+    return p99_text, f"its {spec.slo.inter_token_p99_ms:.0f} ms target"
+
+
+def cooldown(spec: BatchProfileSpec, obs: Observations, left_s: float) -> str:
+    p99_text, slo_text = _objective(spec, obs)
+    return f"{p99_text} vs {slo_text}, but in cooldown for {left_s:.0f} s more; holding."
+
+
+def memory(obs: Observations, cap: int) -> str:
+    pressure = f"{obs.preemptions_per_s:.2g} preemptions/s"
+    return f"{pressure}: lowering the cap to {cap} (and not raising it again until memory is calm)."
+
+
+def at_limits(reason: str) -> str:
+    """A change that turned out to move nothing: the same reason, as a hold."""
+    return reason.rstrip(".") + AT_LIMITS
+
+
+def hold(spec: BatchProfileSpec, obs: Observations, reading: Reading, confirmed_headroom: bool) -> str:
+    """Why nothing moved past the gates: the limits, or the zone."""
+    p99_text, slo_text = _objective(spec, obs)
+    if reading.itl_over:
+        return (
+            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            "target, but the budget and the cap are already at their limits; holding."
+        )
+    if reading.over:
+        return f"{p99_text} over {slo_text}{AT_LIMITS}"
+    if confirmed_headroom:
+        return f"{p99_text} well under {slo_text}, but the load does not fill a larger window; holding."
+    zone = "under" if reading.headroom else "near"
+    return f"{p99_text} {zone} {slo_text} (dead band); holding."
+
+
+def _lead(spec: BatchProfileSpec, obs: Observations, reading: Reading, headroom_streak: int | None) -> str:
+    """Where P99 stands; ``headroom_streak`` is None unless headroom is confirmed."""
+    p99_text, slo_text = _objective(spec, obs)
+    if reading.over:
+        return f"{p99_text} over {slo_text} ({'saturated' if reading.saturated else f'{reading.ratio:.2f}x the SLO'})"
+    if reading.itl_over and spec.slo.p99_ms is None:
+        return f"{p99_text} over {slo_text}"
+    if reading.itl_over:
+        return f"{p99_text} within {slo_text}, inter-token P99 over its target"
+    if headroom_streak is not None:
+        return f"{p99_text} well under {slo_text} for {headroom_streak} intervals"
+    return f"{p99_text} within {slo_text}"
+
+
+def _budget(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: BudgetMove) -> str:
+    if move.change is None:
+        return ""
+    itl_text = (
+        "inter-token P99 beyond the top bucket"
+        if math.isinf(reading.itl)
+        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+    )
+    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
+    if move.change == "lower":
+        return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
+    need = "first tokens need it" if move.first_tokens else f"{obs.queue_depth:.0f} prompts wait"
+    return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
+
+
+def _cap(reading: Reading, move: CapMove) -> str:
+    if move.cause == "backlog":
+        return f"raising the cap to {move.cap} ({reading.queue:.0f} waiting with the batch at its cap)"
+    if move.cause == "slow_steps":
+        why = f"steps of {reading.step_s * 1000:.0f} ms at this batch are too long for the SLO"
+        return f"lowering the cap to {move.cap} ({why})"
+    if move.cause == "floor_gaps":
+        return f"lowering the cap to {move.cap} (the prefill budget is at its floor and gaps are still too long)"
+    if move.cause == "burst_room":
+        return f"raising the cap to {move.cap} (room for a burst over the running batch of {reading.running:.0f})"
+    return ""
+
+
+def _target_wait(window: Window, reading: Reading, move: TargetWaitMove) -> str:
+    busy_why = f"the engine decodes {reading.busy:.0%} of the time, so a held request would only join a later step"
+    text = ""
+    if move.cause == "latency":
+        text = "lowering wait and target" if move.target != window.target_batch_size else "lowering the wait"
+    elif move.cause == "busy":
+        text = f"dropping the wait ({busy_why})"
+    elif move.cause == "fill":
+        # Say what moved: with a larger target the fill time can still ask for a shorter wait.
+        moved = [
+            f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
+            for name, old, new, unit in (
+                ("target", window.target_batch_size, move.target, ""),
+                ("wait", window.max_wait_ms, move.wait, " ms"),
+            )
+            if new != old
+        ]
+        text = f"{' and '.join(moved)}, as far as arrivals fill them"
+    elif move.cause == "dead_band":
+        text = f"moving the wait towards {move.want_ms:.0f} ms, the time arrivals take to fill the target"
+    if move.lowered_to is not None:
+        lowered = f"lowering the target to {move.lowered_to}, what the running batch fills"
+        text = "; ".join(p for p in (text, lowered) if p)
+    return text
+
+
+def change(
+    spec: BatchProfileSpec,
+    obs: Observations,
+    window: Window,
+    new_window: Window,
+    reading: Reading,
+    moves: tuple[BudgetMove, CapMove, TargetWaitMove],
+    headroom_streak: int | None,
+) -> str:
+    """The reason of a change, "<where P99 stands>: <each field that moved, and why>.": ``new_window``
+    holds the fields this decision puts in force; ``headroom_streak`` is None unless headroom is
+    confirmed."""
+    budget, cap, target_wait = moves
+    target_wait_moved = (new_window.target_batch_size, new_window.max_wait_ms) != (
+        window.target_batch_size,
+        window.max_wait_ms,
+    )
+    actions = "; ".join(
+        part
+        for part in (
+            _budget(spec, obs, reading, budget) if new_window.max_prefill_tokens != window.max_prefill_tokens else "",
+            _target_wait(window, reading, target_wait) if target_wait_moved else "",
+            _cap(reading, cap) if new_window.hard_cap != window.hard_cap else "",
+        )
+        if part
+    )
+    if new_window.tail_mark_ratio != window.tail_mark_ratio:
+        actions = "; ".join(p for p in (actions, f"tail-mark ratio to {new_window.tail_mark_ratio:g}") if p)
+    return f"{_lead(spec, obs, reading, headroom_streak)}: {actions}."
