@@ -1,1 +1,2 @@
-"""Tuning: observations, the pure policy, its memory across restarts, and batch-friendliness. No I/O."""
+"""Tuning: observations, the pure policy (its moves, step limits and reasons), its memory across restarts,
+and batch-friendliness. No I/O."""

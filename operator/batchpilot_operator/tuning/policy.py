@@ -1,8 +1,8 @@
 """The tuning policy: (spec, window in force, observations, state, now) -> decision.
 
 :func:`decide` applies the gates and orders the moves; the moves themselves are pure functions in
-:mod:`batchpilot_operator.tuning.moves`, and every reason is rendered from the decision's parts by
-:mod:`batchpilot_operator.tuning.reasons`.
+:mod:`batchpilot_operator.tuning.moves` (their step limits in :mod:`batchpilot_operator.tuning.limits`),
+and every reason is rendered from the decision's parts by :mod:`batchpilot_operator.tuning.reasons`.
 
 How it works
 ------------
@@ -105,25 +105,27 @@ from dataclasses import dataclass, field, replace
 from batchpilot_operator.api.profile import BatchProfileSpec, WindowBounds
 from batchpilot_operator.tuning import reasons
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate, measure, merge_curve
-from batchpilot_operator.tuning.moves import (
-    DEFAULT_CONFIG,
+from batchpilot_operator.tuning.limits import (
     RATIO_MIN_STEP,
     SIZE_MIN_STEP,
     WAIT_MIN_STEP_MS,
+    allowed_step,
+    cap_ceiling,
+    clamp_into_bounds,
+    lift_ceiling,
+)
+from batchpilot_operator.tuning.moves import (
+    DEFAULT_CONFIG,
     Direction,
     PolicyConfig,
     Reading,
-    allowed_step,
     budget_move,
     busy_share,
-    cap_ceiling,
     cap_move,
-    clamp_into_bounds,
     desired_wait_ms,
     direction,
     itl_ratio,
     latency_ratio,
-    lift_ceiling,
     memory_move,
     read,
     slo_over,
