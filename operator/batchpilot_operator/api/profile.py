@@ -5,6 +5,8 @@ CRD's ``openAPIV3Schema`` (with its descriptions, defaults, bounds and CEL
 rules) is generated from them by :mod:`batchpilot_operator.api.crd`, and the
 operator parses every object it receives through them, so that a profile that
 slipped past the API server's validation is still refused with the field named.
+The ranges and ``WindowBounds`` live in :mod:`batchpilot_operator.api.bounds`
+and are re-exported here (the ``X as X`` imports), so they import from either.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from batchpilot_operator import API_VERSION, KIND
+from batchpilot_operator.api.bounds import FloatRange as FloatRange
+from batchpilot_operator.api.bounds import IntRange as IntRange
+from batchpilot_operator.api.bounds import TokenRange as TokenRange
+from batchpilot_operator.api.bounds import WindowBounds as WindowBounds
+from batchpilot_operator.api.bounds import cel_rules
 from batchpilot_runtime.contract.window import (
     MAX_BATCH_SIZE,
     MAX_PREFILL_TOKENS_LIMIT,
-    MAX_WAIT_MS_LIMIT,
     CamelModel,
     Window,
     WindowFields,
@@ -44,13 +50,6 @@ class TuningMode(StrEnum):
     ADAPTIVE = "adaptive"
     RECOMMEND = "recommend"
     STATIC = "static"
-
-
-def _cel(*rules: tuple[str, str]) -> ConfigDict:
-    """Model config that carries CEL rules, each ``(rule, message)``, into the generated CRD schema."""
-    return ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
-    )
 
 
 class LabelSelectorRequirement(CamelModel):
@@ -103,7 +102,7 @@ class SLO(CamelModel):
     """The latency objectives the operator keeps the window under: a first-token (or queue-wait,
     or end-to-end) P99, an inter-token P99, or both at once."""
 
-    model_config = _cel(
+    model_config = cel_rules(
         (
             "has(self.p99Ms) || has(self.interTokenP99Ms)",
             "slo needs at least one objective: p99Ms or interTokenP99Ms",
@@ -154,105 +153,6 @@ class SLO(CamelModel):
                     f"slo.p999Ms ({self.p999_ms:g}) must be greater than or equal to slo.p99Ms ({self.p99_ms:g})"
                 )
         return self
-
-
-class _OrderedIntRange(CamelModel):
-    """A min..max pair of integers (the fields and their limits are the subclass's)."""
-
-    min: int
-    max: int
-
-    @model_validator(mode="after")
-    def _ordered(self) -> _OrderedIntRange:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
-        return self
-
-    def clamp(self, value: int) -> int:
-        return max(self.min, min(self.max, value))
-
-    def contains(self, value: float) -> bool:
-        return self.min <= value <= self.max
-
-
-class IntRange(_OrderedIntRange):
-    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
-
-    min: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Lowest value the operator may set.")
-    max: int = Field(ge=0, le=MAX_WAIT_MS_LIMIT, description="Highest value the operator may set.")
-
-
-class TokenRange(_OrderedIntRange):
-    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
-
-    min: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Lowest value the operator may set.")
-    max: int = Field(ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description="Highest value the operator may set.")
-
-
-class FloatRange(CamelModel):
-    model_config = _cel(("self.min <= self.max", "min must be less than or equal to max"))
-
-    min: float = Field(gt=1.0, le=100.0, description="Lowest value the operator may set.")
-    max: float = Field(gt=1.0, le=100.0, description="Highest value the operator may set.")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> FloatRange:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min:g}) must be less than or equal to max ({self.max:g})")
-        return self
-
-    def clamp(self, value: float) -> float:
-        return max(self.min, min(self.max, value))
-
-    def contains(self, value: float) -> bool:
-        return self.min <= value <= self.max
-
-
-def _int_range(lo: int, hi: int) -> IntRange:
-    return IntRange(min=lo, max=hi)
-
-
-class WindowBounds(CamelModel):
-    """How far the operator may move each field of the window."""
-
-    target_batch_size: IntRange = Field(
-        default_factory=lambda: _int_range(1, 256),
-        description="Range of targetBatchSize the operator may choose.",
-    )
-    hard_cap: IntRange = Field(
-        default_factory=lambda: _int_range(1, 512),
-        description="Range of hardCap the operator may choose.",
-    )
-    max_wait_ms: IntRange = Field(
-        default_factory=lambda: _int_range(0, 500),
-        description="Range of maxWaitMs the operator may choose.",
-    )
-    tail_mark_ratio: FloatRange = Field(
-        default_factory=lambda: FloatRange(min=1.5, max=4.0),
-        description="Range of tailMarkRatio the operator may choose.",
-    )
-    max_prefill_tokens: TokenRange = Field(
-        default_factory=lambda: TokenRange(min=128, max=16_384),
-        description=(
-            "Range of maxPrefillTokens the operator may choose (it sets one only for an SLO with "
-            "interTokenP99Ms; an unset budget stays unset otherwise)."
-        ),
-    )
-
-    def fields_outside(self, window: WindowFields) -> list[str]:
-        """Names of the window fields that lie outside these bounds (empty when all inside)."""
-        outside = []
-        if not self.target_batch_size.contains(window.target_batch_size):
-            outside.append("targetBatchSize")
-        if not self.hard_cap.contains(window.hard_cap):
-            outside.append("hardCap")
-        if not self.max_wait_ms.contains(window.max_wait_ms):
-            outside.append("maxWaitMs")
-        if not self.tail_mark_ratio.contains(window.tail_mark_ratio):
-            outside.append("tailMarkRatio")
-        if window.max_prefill_tokens is not None and not self.max_prefill_tokens.contains(window.max_prefill_tokens):
-            outside.append("maxPrefillTokens")
-        return outside
 
 
 class Tuning(CamelModel):
@@ -404,7 +304,7 @@ class BatchProfileSpec(CamelModel):
         if outside:
             names = ", ".join(f"window.{name}" for name in outside)
             raise ValueError(
-                f"{names} must lie within tuning.bounds ({'; '.join(_bounds_text(self.tuning.bounds, outside))})"
+                f"{names} must lie within tuning.bounds ({'; '.join(self.tuning.bounds.ranges_text(outside))})"
             )
         lane_names = [lane.name for lane in self.lanes]
         duplicates = sorted({n for n in lane_names if lane_names.count(n) > 1})
@@ -417,17 +317,6 @@ class BatchProfileSpec(CamelModel):
                     f"window.hardCap ({self.window.hard_cap})"
                 )
         return self
-
-
-def _bounds_text(bounds: WindowBounds, names: list[str]) -> list[str]:
-    ranges: dict[str, IntRange | FloatRange | TokenRange] = {
-        "targetBatchSize": bounds.target_batch_size,
-        "hardCap": bounds.hard_cap,
-        "maxWaitMs": bounds.max_wait_ms,
-        "tailMarkRatio": bounds.tail_mark_ratio,
-        "maxPrefillTokens": bounds.max_prefill_tokens,
-    }
-    return [f"{name} bounds are {ranges[name].min:g}..{ranges[name].max:g}" for name in names]
 
 
 # ---- status ----------------------------------------------------------------
