@@ -330,6 +330,15 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()
 
+    _add_probe_routes(app, ctx)
+    _add_completion_route(app, ctx)
+    app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
+    return app
+
+
+def _add_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """Registers /healthz, /readyz, /metrics and /v1/models."""
+
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         """Liveness: fails when the engine loop died or stalled after the model loaded."""
@@ -358,6 +367,10 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
         max_model_len = ctx.loaded.max_model_len if ctx.loaded is not None else 0
         return ModelList(data=[ModelCard(id=ctx.model_name, created=ctx.created_unix_s, max_model_len=max_model_len)])
 
+
+def _add_completion_route(app: FastAPI, ctx: ServingContext) -> None:
+    """Registers POST /v1/completions."""
+
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
@@ -372,12 +385,7 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
     async def completions(request: Request) -> Response:
         loaded = ctx.loaded
         if ctx.draining:
-            raise ApiError(
-                503,
-                "the server is draining; retry on another replica",
-                kind="service_unavailable",
-                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
-            )
+            raise _draining_error()
         if loaded is None:
             raise ApiError(
                 503,
@@ -387,37 +395,9 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
             )
         body = parse_completion_request(await read_body(request))
         if ctx.draining:  # the drain may have begun while the body was arriving
-            raise ApiError(
-                503,
-                "the server is draining; retry on another replica",
-                kind="service_unavailable",
-                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
-            )
+            raise _draining_error()
         generation = _generation_request(ctx, loaded, body, request.headers.get(LANE_HEADER))
-        try:
-            events = loaded.engine.submit(generation)
-        except QueueFullError as error:
-            ctx.metrics.on_rejected()
-            retry_after_s = max(1, math.ceil(error.retry_after_s))
-            raise ApiError(
-                429,
-                f"the waiting queue is full; retry in {retry_after_s} s",
-                kind="rate_limit_exceeded",
-                headers={"Retry-After": str(retry_after_s)},
-            ) from None
-        except RequestRejected as error:
-            ctx.metrics.on_rejected()
-            param = _API_FIELDS.get(error.field or "", error.field)
-            message = str(error) if error.field is None else f"{param}: {str(error).removeprefix(f'{error.field}: ')}"
-            raise ApiError(400, message, param=param) from None
-        except EngineStoppedError as error:
-            ctx.metrics.on_rejected()
-            raise ApiError(
-                503,
-                f"the engine accepts no new request: {error}",
-                kind="service_unavailable",
-                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
-            ) from None
+        events = _submit(ctx, loaded, generation)
         ctx.request_started()
         completion = _Completion(ctx, loaded, generation, body.stop_strings())
         logger.info(
@@ -438,8 +418,42 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
         finally:
             completion.close()
 
-    app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
-    return app
+
+def _draining_error() -> ApiError:
+    return ApiError(
+        503,
+        "the server is draining; retry on another replica",
+        kind="service_unavailable",
+        headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+    )
+
+
+def _submit(ctx: ServingContext, loaded: LoadedModel, generation: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    """Hands the request to the engine; a refusal is counted and becomes a 429, 400 or 503."""
+    try:
+        return loaded.engine.submit(generation)
+    except QueueFullError as error:
+        ctx.metrics.on_rejected()
+        retry_after_s = max(1, math.ceil(error.retry_after_s))
+        raise ApiError(
+            429,
+            f"the waiting queue is full; retry in {retry_after_s} s",
+            kind="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after_s)},
+        ) from None
+    except RequestRejected as error:
+        ctx.metrics.on_rejected()
+        param = _API_FIELDS.get(error.field or "", error.field)
+        message = str(error) if error.field is None else f"{param}: {str(error).removeprefix(f'{error.field}: ')}"
+        raise ApiError(400, message, param=param) from None
+    except EngineStoppedError as error:
+        ctx.metrics.on_rejected()
+        raise ApiError(
+            503,
+            f"the engine accepts no new request: {error}",
+            kind="service_unavailable",
+            headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+        ) from None
 
 
 def _generation_request(
