@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import cast
 
 import uvicorn
+from fastapi import FastAPI
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE
 from batchpilot_runtime.server.admin import create_admin_app
@@ -115,6 +116,19 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
     )
 
 
+def _http_server(app: FastAPI) -> _Server:
+    return _Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            ws="none",
+            timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+        )
+    )
+
+
 class Runtime:
     def __init__(
         self,
@@ -146,28 +160,7 @@ class Runtime:
         self._force = force = asyncio.Event()
         serve_sock = bind_socket(config.host, config.port)
         admin_sock = bind_socket(config.host, config.admin_port)
-        servers = [
-            _Server(
-                uvicorn.Config(
-                    create_serving_app(self.ctx),
-                    log_config=None,
-                    access_log=False,
-                    lifespan="off",
-                    ws="none",
-                    timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
-                )
-            ),
-            _Server(
-                uvicorn.Config(
-                    create_admin_app(self.ctx),
-                    log_config=None,
-                    access_log=False,
-                    lifespan="off",
-                    ws="none",
-                    timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
-                )
-            ),
-        ]
+        servers = [_http_server(create_serving_app(self.ctx)), _http_server(create_admin_app(self.ctx))]
         tasks = [
             asyncio.ensure_future(s.serve(sockets=[sock]))
             for s, sock in zip(servers, (serve_sock, admin_sock), strict=True)
@@ -178,50 +171,9 @@ class Runtime:
         exit_code = 0
         try:
             # 1. Load the model while /healthz answers and /readyz says "model loading".
-            logger.info(
-                "loading model",
-                extra={
-                    "model": config.model_name,
-                    "preset": config.preset,
-                    "checkpoint": str(config.checkpoint) if config.checkpoint else None,
-                },
-            )
-            load_task = asyncio.ensure_future(asyncio.to_thread(self._build, config, self.metrics))
-            stop_wait = asyncio.ensure_future(self._drain_requested.wait())
-            await asyncio.wait({load_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
-            if not load_task.done():
-                logger.info("stop requested while loading; waiting for the load to finish")
-            loaded = await load_task
-            await loaded.engine.start()
-            self.ctx.loaded = loaded
-            self.metrics.watch_engine(loaded.engine.health)
-            self.ctx.window_changed(loaded.engine.window_state())
+            loaded = await self._load(self._drain_requested)
             # 2. Ready: both servers listening, engine running.
-            while not all(s.started for s in servers):
-                if any(t.done() for t in tasks):
-                    raise RuntimeError("an HTTP server stopped during start-up")
-                await asyncio.sleep(0.01)
-            self.info = RuntimeInfo(
-                pid=os.getpid(),
-                model=config.model_name,
-                serve_url=_url(config.host, serve_sock),
-                admin_url=_url(config.host, admin_sock),
-                admin_token_file=str(self.admin_token_file),
-            )
-            if config.ready_file is not None:
-                write_ready_file(config.ready_file, self.info)
-            logger.info(
-                "ready",
-                extra={
-                    "serve_url": self.info.serve_url,
-                    "admin_url": self.info.admin_url,
-                    "admin_token_file": self.info.admin_token_file,
-                    "window": config.window.describe(),
-                },
-            )
-            if on_ready is not None:
-                on_ready(self.info)
+            await self._announce_ready(servers, tasks, serve_sock, admin_sock, on_ready)
             # 3. Serve until asked to stop, then drain.
             await self._drain_requested.wait()
             await self._drain(loaded, force)
@@ -241,6 +193,65 @@ class Runtime:
                     self._loop.remove_signal_handler(sig)
             logger.info("stopped", extra={"exit_code": exit_code})
         return exit_code
+
+    async def _load(self, drain_requested: asyncio.Event) -> LoadedModel:
+        """Builds the model in a thread (a stop request waits for it), starts its engine and publishes it."""
+        config = self.config
+        logger.info(
+            "loading model",
+            extra={
+                "model": config.model_name,
+                "preset": config.preset,
+                "checkpoint": str(config.checkpoint) if config.checkpoint else None,
+            },
+        )
+        load_task = asyncio.ensure_future(asyncio.to_thread(self._build, config, self.metrics))
+        stop_wait = asyncio.ensure_future(drain_requested.wait())
+        await asyncio.wait({load_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not load_task.done():
+            logger.info("stop requested while loading; waiting for the load to finish")
+        loaded = await load_task
+        await loaded.engine.start()
+        self.ctx.loaded = loaded
+        self.metrics.watch_engine(loaded.engine.health)
+        self.ctx.window_changed(loaded.engine.window_state())
+        return loaded
+
+    async def _announce_ready(
+        self,
+        servers: list[_Server],
+        tasks: list[asyncio.Task[None]],
+        serve_sock: socket.socket,
+        admin_sock: socket.socket,
+        on_ready: Callable[[RuntimeInfo], None] | None,
+    ) -> None:
+        """Waits until both servers listen, then sets ``info``, writes the ready file and calls ``on_ready``."""
+        config = self.config
+        while not all(s.started for s in servers):
+            if any(t.done() for t in tasks):
+                raise RuntimeError("an HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        self.info = RuntimeInfo(
+            pid=os.getpid(),
+            model=config.model_name,
+            serve_url=_url(config.host, serve_sock),
+            admin_url=_url(config.host, admin_sock),
+            admin_token_file=str(self.admin_token_file),
+        )
+        if config.ready_file is not None:
+            write_ready_file(config.ready_file, self.info)
+        logger.info(
+            "ready",
+            extra={
+                "serve_url": self.info.serve_url,
+                "admin_url": self.info.admin_url,
+                "admin_token_file": self.info.admin_token_file,
+                "window": config.window.describe(),
+            },
+        )
+        if on_ready is not None:
+            on_ready(self.info)
 
     async def _drain(self, loaded: LoadedModel, force: asyncio.Event) -> None:
         self.ctx.draining = True
