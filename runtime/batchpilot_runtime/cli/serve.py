@@ -45,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_model_args(parser)
+    _add_window_args(parser)
+    _add_network_args(parser)
+    parser.set_defaults(handler=_cmd_serve)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     _add(model, "--model-name", help="name reported in /v1/models and in every metric's model label")
     source = model.add_mutually_exclusive_group()
@@ -71,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="longest prompt + output of one request (default: the model's context length)",
     )
 
+
+def _add_window_args(parser: argparse.ArgumentParser) -> None:
     window = parser.add_argument_group("batching window (the operator retunes these at run time)")
     _add(window, "--target-batch-size", default=8, type=positive_int, help="batch size admission waits for")
     _add(window, "--hard-cap", default=16, type=positive_int, help="most sequences running at once")
@@ -99,6 +108,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"a priority lane with its own window (repeatable) [env {env_name('--lane')}, ';'-separated]",
     )
 
+
+def _add_network_args(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     _add(net, "--host", default="127.0.0.1", help="address both ports bind (0.0.0.0 in a container)")
     _add(net, "--port", default=8000, type=_port, help="serving port: /v1, /metrics, /healthz, /readyz")
@@ -126,7 +137,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(keep it above the longest prefill step)",
     )
     _add(net, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
-    parser.set_defaults(handler=_cmd_serve)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
