@@ -11,7 +11,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchpilot_runtime.contract.window import Window
+    from batchpilot_runtime.engine.engine import Engine
 
 
 def register(subparsers: Any) -> None:
@@ -54,15 +58,14 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _build_engine(args: argparse.Namespace, prompt_count: int) -> tuple[Engine, Window]:
+    """Checks the flags the parser cannot, sets torch's threads and builds the engine."""
     import torch
     from pydantic import ValidationError
 
     from batchpilot_runtime.contract.window import Window
     from batchpilot_runtime.engine.engine import Engine
-    from batchpilot_runtime.engine.types import GenerationRequest
 
-    prompts = _read_prompts(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -80,14 +83,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         window=window,
         batching=args.batching,
-        max_queue=max(len(prompts), 1),
+        max_queue=max(prompt_count, 1),
         max_prefill_tokens_per_step=args.max_prefill_tokens,
         seed=args.seed,
     )
+    return engine, window
+
+
+def _add_prompts(engine: Engine, args: argparse.Namespace, prompts: list[str]) -> tuple[dict[str, list[int]], int]:
+    """Adds prompt ``i`` as request ``p{i}``; returns an empty token list per request and the prompt tokens."""
+    from batchpilot_runtime.engine.types import GenerationRequest
+
     tokenizer: Any = engine.tokenizer
     stop_ids = (tokenizer.eos_token_id,) if args.stop_at_eos and tokenizer.eos_token_id is not None else ()
     tokens: dict[str, list[int]] = {}
-    finish: dict[str, str] = {}
     prompt_tokens = 0
     for index, prompt in enumerate(prompts):
         request_id = f"p{index}"
@@ -105,6 +114,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             )
         )
         tokens[request_id] = []
+    return tokens, prompt_tokens
+
+
+def _run_until_done(engine: Engine, tokens: dict[str, list[int]]) -> tuple[dict[str, str], float]:
+    """Steps the engine until every request finished, appending output tokens to ``tokens``.
+
+    Returns each request's finish reason and the seconds spent stepping.
+    """
+    finish: dict[str, str] = {}
     start_s = time.perf_counter()
     while engine.has_unfinished:
         for event in engine.step():
@@ -112,7 +130,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 tokens[event.request_id].append(event.token_id)
             if event.finish_reason is not None:
                 finish[event.request_id] = event.finish_reason
-    elapsed_s = time.perf_counter() - start_s
+    return finish, time.perf_counter() - start_s
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args)
+    engine, window = _build_engine(args, len(prompts))
+    tokenizer: Any = engine.tokenizer
+    tokens, prompt_tokens = _add_prompts(engine, args, prompts)
+    finish, elapsed_s = _run_until_done(engine, tokens)
     generated = sum(len(t) for t in tokens.values())
     tokens_per_s = generated / elapsed_s if elapsed_s > 0 else 0.0
     completions = [
