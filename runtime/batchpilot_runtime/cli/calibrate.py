@@ -19,7 +19,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchpilot_runtime.engine.engine import Engine
+    from batchpilot_runtime.replay.cost_model import StepComposition
+    from batchpilot_runtime.scheduling.types import StepPlan
 
 
 def register(subparsers: Any) -> None:
@@ -60,13 +65,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from batchpilot_runtime.contract.window import Window
-    from batchpilot_runtime.engine.engine import Engine
-    from batchpilot_runtime.model.batch import ForwardBatch
-    from batchpilot_runtime.replay.cost_model import StepComposition, fit_cost_model
-    from batchpilot_runtime.scheduling.types import SchedRequest
+    from batchpilot_runtime.replay.cost_model import fit_cost_model
 
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
     prompt_lengths = _ints(args.prompt_lengths, "--prompt-lengths")
@@ -74,74 +73,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps must be >= 1, got {args.decode_steps}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    cap = max(batch_sizes)
-    engine = Engine.build(
-        model_name="calibrate",
-        window=Window(target_batch_size=1, hard_cap=cap, max_wait_ms=0),
-        preset=args.preset,
-        checkpoint=args.checkpoint,
-        kv_cache_tokens=args.kv_cache_tokens,
-        device=args.device,
-    )
-    scheduler, model, kv = engine.scheduler, engine.model, engine.kv
-    device = model.device
-    block_size = scheduler.config.kv_block_size
-    vocab = model.config.vocab_size
-    samples: list[tuple[StepComposition, float]] = []
-    counter = 0
-
-    def run_scenario(batch: int, prompt: int, staggered: bool, record: bool) -> None:
-        nonlocal counter
-        max_new = args.decode_steps + 1
-        if batch * (prompt + max_new) > scheduler.capacity_tokens or prompt + max_new > scheduler.config.max_model_len:
-            return
-        now = time.monotonic()
-        pending: list[SchedRequest] = []
-        for i in range(batch):
-            counter += 1
-            tokens = tuple((counter * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt))
-            request = SchedRequest(f"c{counter}", tokens, max_new, now)
-            if staggered and i % 2:
-                pending.append(request)  # joins after a few decode steps, so prefill and decode mix
-            else:
-                scheduler.add_request(request)
-        steps = 0
-        while scheduler.has_unfinished or pending:
-            if pending and steps == 3:
-                for request in pending:
-                    scheduler.add_request(request)
-                pending = []
-            started = time.perf_counter()
-            plan = scheduler.schedule(time.monotonic())
-            if plan.is_empty:
-                break
-            forward_batch = ForwardBatch.build(plan.seqs, block_size, device)
-            bookkeeping_s = time.perf_counter() - started
-            # The forward is repeated (it rewrites the same K/V slots with the same values) and the
-            # fastest run kept: on a shared machine the minimum is the step's cost, the rest is noise.
-            forward_s = float("inf")
-            with torch.inference_mode():
-                for _ in range(args.repeats):
-                    forward_started = time.perf_counter()
-                    logits = model(forward_batch, kv)
-                    tokens_out = logits.argmax(dim=-1).tolist()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    forward_s = min(forward_s, time.perf_counter() - forward_started)
-            update_started = time.perf_counter()
-            sampling = [seq.request_id for seq in plan.seqs if seq.sample]
-            scheduler.update_from_output(plan, dict(zip(sampling, tokens_out, strict=True)), time.monotonic())
-            elapsed = bookkeeping_s + forward_s + (time.perf_counter() - update_started)
-            steps += 1
-            if record:
-                samples.append((StepComposition.from_seqs(plan.seqs), elapsed))
+    engine = _build_engine(args, max(batch_sizes))
+    scenarios = _Scenarios(engine, decode_steps=args.decode_steps, repeats=args.repeats)
+    device = engine.model.device
 
     began = time.perf_counter()
-    run_scenario(min(batch_sizes), min(prompt_lengths), False, record=False)  # warm-up: allocator, kernels
+    scenarios.run(min(batch_sizes), min(prompt_lengths), False, record=False)  # warm-up: allocator, kernels
     stopped_early = False
     for prompt in prompt_lengths:
         for batch in batch_sizes:
@@ -149,14 +86,14 @@ def _run(args: argparse.Namespace) -> int:
                 if time.perf_counter() - began > args.max_seconds:
                     stopped_early = True
                     break
-                run_scenario(batch, prompt, staggered, record=True)
+                scenarios.run(batch, prompt, staggered, record=True)
     name = args.name or f"{args.preset}-{device.type}"
     fit = fit_cost_model(
-        samples,
+        scenarios.samples,
         name=name,
         source=f"batchpilot-runtime calibrate on this machine ({device.type}, preset {args.preset}, "
-        f"{len(samples)} timed steps)",
-        kv_capacity_tokens=scheduler.capacity_tokens,
+        f"{len(scenarios.samples)} timed steps)",
+        kv_capacity_tokens=engine.scheduler.capacity_tokens,
     )
     payload = fit.as_dict()
     payload["fit"]["stopped_early"] = stopped_early
@@ -174,3 +111,102 @@ def _run(args: argparse.Namespace) -> int:
     if not args.output:
         sys.stdout.write(text + "\n")
     return 0
+
+
+def _build_engine(args: argparse.Namespace, cap: int) -> Engine:
+    """Sets torch's threads and builds an engine whose scheduler admits up to ``cap`` sequences at once."""
+    import torch
+
+    from batchpilot_runtime.contract.window import Window
+    from batchpilot_runtime.engine.engine import Engine
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return Engine.build(
+        model_name="calibrate",
+        window=Window(target_batch_size=1, hard_cap=cap, max_wait_ms=0),
+        preset=args.preset,
+        checkpoint=args.checkpoint,
+        kv_cache_tokens=args.kv_cache_tokens,
+        device=args.device,
+    )
+
+
+class _Scenarios:
+    """Runs batches of synthetic requests through the engine's scheduler and model, timing each step.
+
+    Request ids stay unique across scenarios (``c1``, ``c2``, ...); recorded steps go to ``samples``.
+    """
+
+    def __init__(self, engine: Engine, decode_steps: int, repeats: int) -> None:
+        self.scheduler, self.model, self.kv = engine.scheduler, engine.model, engine.kv
+        self.decode_steps = decode_steps
+        self.repeats = repeats
+        self.samples: list[tuple[StepComposition, float]] = []
+        self._counter = 0
+
+    def run(self, batch: int, prompt: int, staggered: bool, record: bool) -> None:
+        """``batch`` requests of ``prompt`` tokens; when staggered, every second one joins after 3 steps."""
+        from batchpilot_runtime.replay.cost_model import StepComposition
+        from batchpilot_runtime.scheduling.types import SchedRequest
+
+        scheduler = self.scheduler
+        vocab = self.model.config.vocab_size
+        max_new = self.decode_steps + 1
+        if batch * (prompt + max_new) > scheduler.capacity_tokens or prompt + max_new > scheduler.config.max_model_len:
+            return
+        now = time.monotonic()
+        pending: list[SchedRequest] = []
+        for i in range(batch):
+            self._counter += 1
+            counter = self._counter
+            tokens = tuple((counter * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt))
+            request = SchedRequest(f"c{counter}", tokens, max_new, now)
+            if staggered and i % 2:
+                pending.append(request)  # joins after a few decode steps, so prefill and decode mix
+            else:
+                scheduler.add_request(request)
+        steps = 0
+        while scheduler.has_unfinished or pending:
+            if pending and steps == 3:
+                for request in pending:
+                    scheduler.add_request(request)
+                pending = []
+            started = time.perf_counter()
+            plan = scheduler.schedule(time.monotonic())
+            if plan.is_empty:
+                break
+            elapsed = self._timed_step(plan, started)
+            steps += 1
+            if record:
+                self.samples.append((StepComposition.from_seqs(plan.seqs), elapsed))
+
+    def _timed_step(self, plan: StepPlan, started: float) -> float:
+        """Runs a step whose scheduling began at ``started`` (``perf_counter``); returns its seconds.
+
+        The seconds are scheduling and batch building + the fastest of the repeated forwards + the update.
+        """
+        import torch
+
+        from batchpilot_runtime.model.batch import ForwardBatch
+
+        model, device = self.model, self.model.device
+        forward_batch = ForwardBatch.build(plan.seqs, self.scheduler.config.kv_block_size, device)
+        bookkeeping_s = time.perf_counter() - started
+        # The forward is repeated (it rewrites the same K/V slots with the same values) and the
+        # fastest run kept: on a shared machine the minimum is the step's cost, the rest is noise.
+        forward_s = float("inf")
+        with torch.inference_mode():
+            for _ in range(self.repeats):
+                forward_started = time.perf_counter()
+                logits = model(forward_batch, self.kv)
+                tokens_out = logits.argmax(dim=-1).tolist()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                forward_s = min(forward_s, time.perf_counter() - forward_started)
+        update_started = time.perf_counter()
+        sampling = [seq.request_id for seq in plan.seqs if seq.sample]
+        self.scheduler.update_from_output(plan, dict(zip(sampling, tokens_out, strict=True)), time.monotonic())
+        return bookkeeping_s + forward_s + (time.perf_counter() - update_started)
