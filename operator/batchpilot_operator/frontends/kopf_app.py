@@ -285,6 +285,13 @@ class OperatorApp:
     # ---- kopf handlers ----------------------------------------------------------------------------
 
     def _register(self) -> None:
+        """Register every handler, in this order: startup, cleanup and login; profiles; pods; the probe."""
+        self._register_lifecycle()
+        self._register_profiles()
+        self._register_pods_and_probe()
+
+    def _register_lifecycle(self) -> None:
+        """Startup (kopf's settings, the loop, the metrics server), cleanup, and login with the operator's kube config."""
         registry = self.registry
         controller = self.controller
         options = self.options
@@ -338,6 +345,11 @@ class OperatorApp:
                 scheme="Bearer" if config.token else None,
             )
 
+    def _register_profiles(self) -> None:
+        """BatchProfile create/resume/update and delete, and the raw watch events that the watch check compares."""
+        registry = self.registry
+        controller = self.controller
+
         def upsert(
             *, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, namespace: str | None, name: str, **_: Any
         ) -> None:
@@ -373,6 +385,11 @@ class OperatorApp:
                 if record is not None and isinstance(status, Mapping) and not record.status_written:
                     record.status_written = dict(status)
 
+    def _register_pods_and_probe(self) -> None:
+        """The pod index (a pod that turns Ready is pushed the window at once) and the liveness probe."""
+        registry = self.registry
+        controller = self.controller
+        options = self.options
         pod_labels: dict[str, str] | None = dict(options.pod_labels) if options.pod_labels else None
 
         @kopf.on.event("", "v1", "pods", registry=registry, id="pod-index", labels=pod_labels)
