@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from batchpilot_operator.api.manifests import load_profiles
+from batchpilot_operator.api.manifests import LoadedProfile, load_profiles
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
 from batchpilot_operator.control.status import apply_merge_patch
 from batchpilot_operator.io.opmetrics import OperatorMetrics
@@ -167,21 +167,7 @@ async def run_local(
     sink = LocalSink(out, status_file)
     metrics = OperatorMetrics()
     metrics.serve(metrics_port, "127.0.0.1")
-    source: Any
-    if prometheus_url:
-        from batchpilot_operator.io.promql import PrometheusSource
-
-        source = PrometheusSource(
-            prometheus_url,
-            scrape_interval_s=scrape_interval_s,
-            interval_s=interval_s or 15.0,
-            timeout_s=query_timeout_s,
-            namespace_label=None,
-        )
-    else:
-        from batchpilot_operator.io.scrape import ScrapeSource
-
-        source = ScrapeSource(rate_window_s=interval_s or 15.0, timeout_s=query_timeout_s)
+    source = _metrics_source(prometheus_url, interval_s, scrape_interval_s, query_timeout_s)
     admin = AdminClient(timeout_s=push_timeout_s)
     controller = Controller(
         Settings(tick_s=min(1.0, interval_s or 1.0), interval_override_s=interval_s),
@@ -192,6 +178,51 @@ async def run_local(
         match_by_model=True,
         on_decision=print_decision(out, output),
     )
+    _add_runtimes(controller, runtimes)
+    _add_profiles(controller, loaded, out)
+    out.write(
+        f"{_now()} local mode: {len(loaded)} profile(s), {len(runtimes)} runtime(s), metrics from "
+        f"{prometheus_url or 'the runtimes /metrics'}\n"
+    )
+    out.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    deadline = time.monotonic() + duration_s if duration_s else None
+    try:
+        await _tick_until(controller, sink, stop, deadline)
+    finally:
+        await controller.drain_events()
+        await admin.aclose()
+        if prometheus_url:
+            source.close()
+        else:
+            await source.aclose()
+    return 0
+
+
+def _metrics_source(
+    prometheus_url: str | None, interval_s: float | None, scrape_interval_s: float, query_timeout_s: float
+) -> Any:
+    """Prometheus when a URL is given, else a scrape of the runtimes' own ``/metrics``."""
+    if prometheus_url:
+        from batchpilot_operator.io.promql import PrometheusSource
+
+        return PrometheusSource(
+            prometheus_url,
+            scrape_interval_s=scrape_interval_s,
+            interval_s=interval_s or 15.0,
+            timeout_s=query_timeout_s,
+            namespace_label=None,
+        )
+    from batchpilot_operator.io.scrape import ScrapeSource
+
+    return ScrapeSource(rate_window_s=interval_s or 15.0, timeout_s=query_timeout_s)
+
+
+def _add_runtimes(controller: Controller, runtimes: Sequence[RuntimeSpec]) -> None:
+    """Each runtime as a Ready pod of namespace ``local``, matched to profiles by model."""
     for runtime in runtimes:
         controller.upsert_pod(
             PodRecord(
@@ -205,6 +236,10 @@ async def run_local(
                 uid=runtime.name,
             )
         )
+
+
+def _add_profiles(controller: Controller, loaded: Sequence[LoadedProfile], out: TextIO) -> None:
+    """Every profile, at generation 1; an invalid one is printed and still added (the controller keeps its error)."""
     for profile in loaded:
         if profile.error:
             out.write(f"{_now()} {profile.key} INVALID: {profile.error}\n")
@@ -214,35 +249,21 @@ async def run_local(
             profile.manifest.get("spec"),
             generation=1,
         )
-    out.write(
-        f"{_now()} local mode: {len(loaded)} profile(s), {len(runtimes)} runtime(s), metrics from "
-        f"{prometheus_url or 'the runtimes /metrics'}\n"
-    )
-    out.flush()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    deadline = time.monotonic() + duration_s if duration_s else None
-    try:
-        while not stop.is_set():
-            try:
-                await controller.tick()
-            except Exception:  # as in Controller.run: the loop survives anything one tick does
-                log.exception("tick failed")
-            sink.write_file()
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=controller.settings.tick_s)
-    finally:
-        await controller.drain_events()
-        await admin.aclose()
-        if prometheus_url:
-            source.close()
-        else:
-            await source.aclose()
-    return 0
+
+
+async def _tick_until(controller: Controller, sink: LocalSink, stop: asyncio.Event, deadline: float | None) -> None:
+    """Tick every ``tick_s`` and rewrite the status file after each, until ``stop`` is set or the monotonic
+    ``deadline`` has passed."""
+    while not stop.is_set():
+        try:
+            await controller.tick()
+        except Exception:  # as in Controller.run: the loop survives anything one tick does
+            log.exception("tick failed")
+        sink.write_file()
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=controller.settings.tick_s)
 
 
 def cmd_local(args: Any) -> int:
