@@ -222,8 +222,40 @@ class Demo:
             await asyncio.sleep(SETTLE_S)
         folder = write_profiles(self.models, mode, self.out_dir / "profiles" / mode)
         decisions: list[DecisionRecord] = []
-        names = [m.name for m in self.models]
         phase_start_s: list[float] = []
+        operator = self._child(
+            f"operator ({mode} mode)",
+            self._operator_command(folder),
+            f"operator-{mode}.log",
+            on_line=self._decision_reader(mode, decisions, phase_start_s),
+        )
+        self._announce_phase(number, mode, arrivals)
+        await operator.start()
+
+        def on_result(_result: RequestResult) -> None:
+            self.state.requests_done += 1
+
+        first = await self.collector.scrape_now()
+        start_s = time.monotonic()
+        phase_start_s.append(start_s)
+        self.state.phase_started_s = start_s
+        # 1. The replay, from the start mark (a scrape of every runtime) to the last answer.
+        summaries = await self._replay(mode, arrivals, on_result, start_s)
+        # 2. The end mark: every request has been answered; the runtimes count a request just
+        #    after its last byte, so wait (briefly) until their counters hold every accepted one.
+        await self._scrape_settled(first, {m: load_counts(s).accepted for m, s in summaries.items()})
+        end_s = time.monotonic()
+        await operator.stop()
+        phase = self._phase_result(mode, summaries, first, end_s, decisions)
+        self._say_phase_result(phase)
+        return phase
+
+    def _decision_reader(
+        self, mode: Mode, decisions: list[DecisionRecord], phase_start_s: list[float]
+    ) -> Callable[[str], None]:
+        """The operator's line callback: each decision line is appended to ``decisions`` (timed from the
+        phase start, once ``phase_start_s`` holds it) and shown in the live view; warnings are shown too."""
+        names = [m.name for m in self.models]
 
         def on_line(line: str) -> None:
             parsed = parse_decision_line(line, names)
@@ -250,10 +282,10 @@ class Demo:
                     f"{parsed.window + ' — ' if parsed.window else ''}{parsed.reason}"
                 )
 
-        operator = self._child(
-            f"operator ({mode} mode)", self._operator_command(folder), f"operator-{mode}.log", on_line=on_line
-        )
+        return on_line
 
+    def _announce_phase(self, number: int, mode: Mode, arrivals: list[Arrivals]) -> None:
+        """Reset the live view's phase state and say what this phase replays."""
         self.state.phase, self.state.phase_number = mode, number
         self.state.replay_s = self.settings.phase_replay_s
         self.state.requests_total = sum(len(a.requests) for a in arrivals)
@@ -271,22 +303,16 @@ class Demo:
         for a in arrivals:
             if a.surge is not None:
                 self.view.say(f"  {a.model}: {a.surge.describe()} into the phase (the same in both phases)")
-        await operator.start()
 
-        def on_result(_result: RequestResult) -> None:
-            self.state.requests_done += 1
-
-        first = await self.collector.scrape_now()
-        start_s = time.monotonic()
-        phase_start_s.append(start_s)
-        self.state.phase_started_s = start_s
-        # 1. The replay, from the start mark (a scrape of every runtime) to the last answer.
-        summaries = await self._replay(mode, arrivals, on_result, start_s)
-        # 2. The end mark: every request has been answered; the runtimes count a request just
-        #    after its last byte, so wait (briefly) until their counters hold every accepted one.
-        await self._scrape_settled(first, {m: load_counts(s).accepted for m, s in summaries.items()})
-        end_s = time.monotonic()
-        await operator.stop()
+    def _phase_result(
+        self,
+        mode: Mode,
+        summaries: dict[str, LoadSummary],
+        first: dict[str, Snapshot | None],
+        end_s: float,
+        decisions: list[DecisionRecord],
+    ) -> PhaseResult:
+        """Each model's figures between the start mark ``first`` and ``end_s``, with its replay's outcomes."""
         results = []
         for model in self.models:
             results.append(
@@ -301,14 +327,16 @@ class Demo:
                     series_window_s=SERIES_WINDOW_S,
                 )
             )
-        phase = PhaseResult(
+        return PhaseResult(
             mode=mode,
             replay_s=self.settings.phase_replay_s,
             wall_s=round(max(s.duration_s for s in summaries.values()), 2),
             models=results,
             decisions=decisions,
         )
-        for result in results:
+
+    def _say_phase_result(self, phase: PhaseResult) -> None:
+        for result in phase.models:
             slo = next(m for m in self.models if m.name == result.model)
             itl = (
                 f"inter-token P99 {format_figure(result.itl_p99_ms)} ms (SLO {format_figure(slo.slo_itl_p99_ms)}), "
@@ -316,12 +344,11 @@ class Demo:
                 else ""
             )
             self.view.say(
-                f"  {mode} {result.model}: P99 {format_figure(result.p99_ms)} ms "
+                f"  {phase.mode} {result.model}: P99 {format_figure(result.p99_ms)} ms "
                 f"(SLO {format_figure(slo.slo_p99_ms)}), {itl}{format_figure(result.tokens_per_s)} tokens/s, "
                 f"{result.load.completed}/{result.load.accepted} completed, lost {result.load.lost}, "
                 f"{result.decisions} window changes"
             )
-        return phase
 
     def _operator_command(self, profiles: Path) -> list[str]:
         argv = [
