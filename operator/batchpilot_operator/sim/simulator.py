@@ -33,7 +33,15 @@ from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
 from batchpilot_runtime.replay.trace import TraceRequest
 from batchpilot_runtime.scheduling.kv_blocks import blocks_for_tokens
 from batchpilot_runtime.scheduling.scheduler import Scheduler
-from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, SchedRequest, SchedulerConfig
+from batchpilot_runtime.scheduling.types import (
+    QueueFullError,
+    RequestOutput,
+    RequestRejected,
+    SchedRequest,
+    ScheduledSeq,
+    SchedulerConfig,
+    StepStats,
+)
 
 # The token every simulated step "samples": never a stop token, so requests end by length.
 SYNTHETIC_TOKEN = 7
@@ -195,6 +203,25 @@ class _Interval:
     preempted: int = 0
     step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [sum_s, count]
 
+    def add_step(self, stats: StepStats, step_s: float) -> None:
+        """Counts one engine step's plan statistics (and its duration, for a decode-only step)."""
+        for reason, count in stats.admissions.items():
+            self.admissions[reason] = self.admissions.get(reason, 0) + count
+        self.admitted_requests += stats.admitted_requests
+        self.tail_marked += stats.tail_marked
+        self.preempted += stats.preempted
+        if stats.num_decode_seqs:
+            self.decode_steps += 1
+            self.decode_seqs += stats.num_decode_seqs
+            if stats.num_prefill_tokens == 0:
+                bucket = int(batch_bucket(stats.batch_size))
+                acc = self.step_s_by_bucket.get(bucket)
+                if acc is None:
+                    self.step_s_by_bucket[bucket] = [step_s, 1.0]
+                else:
+                    acc[0] += step_s
+                    acc[1] += 1.0
+
 
 @dataclass(frozen=True)
 class TimelinePoint:
@@ -248,99 +275,34 @@ class Simulator:
         sched = Scheduler(cfg.scheduler, self.initial_window)
         if cfg.step_budget_itl_s is not None:
             sched.set_step_budget_rule(itl_budget_rule(cost, cfg.step_budget_itl_s))
-        window = self.initial_window
         requests = self.requests
         n = len(requests)
         records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(requests)]
-        metric = cfg.latency_metric
-        slo_s = cfg.slo_p99_s
-        buckets = LATENCY_BUCKETS_S
-        span_s = requests[-1].arrival_s if n else 0.0
         end_limit_s = cfg.max_sim_s if cfg.max_sim_s is not None else math.inf
-        intervals: list[_Interval] = [_Interval()]
-        current = intervals[0]
-        window_len = max(1, math.ceil(cfg.rate_window_s / cfg.interval_s - 1e-9))
-        timeline: list[TimelinePoint] = []
-        interval_admissions: list[tuple[float, dict[str, int]]] = []
-        changes = 0
+        ticks = _Ticks(cfg, self.controller, self.initial_window, progress)
+        tally = _Tally(records, cfg, ticks.current)
+        current = ticks.current
+        next_tick_s = ticks.next_tick_s
+        miss_limit = cfg.abort_after_misses if cfg.abort_after_misses is not None else math.inf
+        gap_miss_limit = cfg.abort_after_gap_misses if cfg.abort_after_gap_misses is not None else math.inf
         steps = 0
-        misses = 0
         aborted = False
-        next_tick_s = cfg.interval_s
         next_arrival = 0
         now_s = 0.0
         prompt_cache: dict[int, tuple[int, ...]] = {}
-        gaps = GapHistogram()
-        gap_counts = gaps.counts
-        itl_slo_s = cfg.slo_itl_p99_s if cfg.slo_itl_p99_s is not None else math.inf
-        gap_misses = 0
-        gap_miss_limit = cfg.abort_after_gap_misses if cfg.abort_after_gap_misses is not None else math.inf
-
-        def observe(value_s: float) -> None:
-            nonlocal misses
-            current.latency_buckets[bisect.bisect_left(buckets, value_s)] += 1
-            if value_s > slo_s:
-                misses += 1
-
-        def miss() -> None:
-            nonlocal misses
-            misses += 1
-
         while True:
             # 1. Arrivals up to now enter the queue (their arrival time is their own, not now).
-            while next_arrival < n and requests[next_arrival].arrival_s <= now_s:
-                req = requests[next_arrival]
-                length = req.prompt_tokens
-                prompt = prompt_cache.get(length)
-                if prompt is None:
-                    prompt = (SYNTHETIC_TOKEN,) * length
-                    prompt_cache[length] = prompt
-                try:
-                    sched.add_request(SchedRequest(str(next_arrival), prompt, max(1, req.output_tokens), req.arrival_s))
-                except (QueueFullError, RequestRejected):
-                    records[next_arrival].rejected = True
-                    miss()
-                current.arrivals += 1
-                next_arrival += 1
+            if next_arrival < n and requests[next_arrival].arrival_s <= now_s:
+                first = next_arrival
+                next_arrival, rejected = _enqueue_arrivals(sched, requests, first, now_s, records, prompt_cache)
+                tally.misses += rejected
+                current.arrivals += next_arrival - first
             # 2. Controller ticks that are due: observe, decide, stage the window.
-            while next_tick_s <= now_s:
-                obs = self._observations(intervals[-window_len:], cfg, sched, next_tick_s)
-                rate = obs.arrival_rate_per_s
-                interval_admissions.append((current.arrivals / cfg.interval_s, dict(current.admissions)))
-                changed = False
-                if self.controller is not None:
-                    proposal = self.controller.on_interval(next_tick_s, obs, window)
-                    if proposal is not None and not proposal.fields_equal(window):
-                        window = proposal
-                        sched.set_window(window)
-                        changes += 1
-                        changed = True
-                if cfg.record_timeline:
-                    timeline.append(
-                        TimelinePoint(
-                            next_tick_s,
-                            rate,
-                            obs.p99_s if not obs.p99_saturated else math.inf,
-                            obs.itl_p99_s if not obs.itl_p99_saturated else math.inf,
-                            sched.num_waiting,
-                            sched.num_running,
-                            sched.kv_usage_ratio,
-                            window.target_batch_size,
-                            window.hard_cap,
-                            window.max_wait_ms,
-                            window.tail_mark_ratio,
-                            window.max_prefill_tokens or cfg.scheduler.max_prefill_tokens_per_step,
-                            changed,
-                        )
-                    )
-                current = _Interval()
-                intervals.append(current)
-                if len(intervals) > window_len + 1:
-                    del intervals[0]
-                next_tick_s += cfg.interval_s
-                if progress is not None:
-                    progress(next_tick_s)
-            if (cfg.abort_after_misses is not None and misses > cfg.abort_after_misses) or gap_misses > gap_miss_limit:
+            if next_tick_s <= now_s:
+                ticks.run_due(now_s, sched)
+                current = tally.current = ticks.current
+                next_tick_s = ticks.next_tick_s
+            if tally.misses > miss_limit or tally.gap_misses > gap_miss_limit:
                 aborted = True
                 break
             if now_s >= end_limit_s:
@@ -348,15 +310,11 @@ class Simulator:
             # 3. One step, or a jump to the next event when there is nothing to run.
             plan = sched.schedule(now_s)
             if plan.is_empty:
-                candidates = [next_tick_s]
-                if next_arrival < n:
-                    candidates.append(requests[next_arrival].arrival_s)
-                deadline = sched.next_deadline_s()
-                if deadline is not None and deadline > now_s:
-                    candidates.append(deadline)
-                if next_arrival >= n and not sched.has_unfinished:
+                next_arrival_s = requests[next_arrival].arrival_s if next_arrival < n else None
+                next_event_s = _next_event_s(now_s, next_tick_s, next_arrival_s, sched)
+                if next_event_s is None:
                     break
-                now_s = max(now_s, min(candidates))
+                now_s = next_event_s
                 continue
             stats = plan.stats
             seqs = plan.seqs
@@ -366,65 +324,25 @@ class Simulator:
             start_s = now_s
             now_s = start_s + step_s
             steps += 1
-            # Admissions: a first prefill chunk of a never-admitted request.
             if stats.admitted_requests:
-                for seq in seqs:
-                    if seq.is_prefill and seq.start_pos == 0:
-                        record = records[int(seq.request_id)]
-                        if math.isnan(record.admitted_s):
-                            record.admitted_s = start_s
-                            if metric == LatencyMetric.QUEUE_WAIT:
-                                observe(start_s - record.arrival_s)
-            for reason, count in stats.admissions.items():
-                current.admissions[reason] = current.admissions.get(reason, 0) + count
-            current.admitted_requests += stats.admitted_requests
-            current.tail_marked += stats.tail_marked
-            current.preempted += stats.preempted
-            if stats.num_decode_seqs:
-                current.decode_steps += 1
-                current.decode_seqs += stats.num_decode_seqs
-                if stats.num_prefill_tokens == 0:
-                    bucket = int(batch_bucket(stats.batch_size))
-                    acc = current.step_s_by_bucket.get(bucket)
-                    if acc is None:
-                        current.step_s_by_bucket[bucket] = [step_s, 1.0]
-                    else:
-                        acc[0] += step_s
-                        acc[1] += 1.0
+                tally.admitted(seqs, start_s)
+            current.add_step(stats, step_s)
             sampled = {seq.request_id: SYNTHETIC_TOKEN for seq in seqs if seq.sample}
             outputs = sched.update_from_output(plan, sampled, now_s)
             current.generated_tokens += len(outputs)
-            itl_buckets = current.itl_buckets
-            for out in outputs:
-                record = records[int(out.request_id)]
-                last_s = record.last_token_s
-                record.last_token_s = now_s
-                if last_s == last_s:  # not NaN: a gap since this request's previous token (stalls included)
-                    gap_s = now_s - last_s
-                    itl_buckets[bisect.bisect_left(buckets, gap_s)] += 1
-                    gap_counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += 1
-                    if gap_s > itl_slo_s:
-                        gap_misses += 1
-                elif metric == LatencyMetric.TTFT:
-                    observe(now_s - record.arrival_s)
-                if math.isnan(record.first_token_s):
-                    record.first_token_s = now_s
-                if out.finish_reason is not None:
-                    record.finished_s = now_s
-                    if metric == LatencyMetric.E2E:
-                        observe(now_s - record.arrival_s)
-        gaps.total = sum(gap_counts)
+            tally.outputs(outputs, now_s)
+        tally.gaps.total = sum(tally.gaps.counts)
         return SimResult(
-            gaps=gaps,
+            gaps=tally.gaps,
             records=records,
-            timeline=timeline,
-            interval_admissions=interval_admissions,
-            window_changes=changes,
-            final_window=window,
+            timeline=ticks.timeline,
+            interval_admissions=ticks.interval_admissions,
+            window_changes=ticks.changes,
+            final_window=ticks.window,
             sim_end_s=now_s,
             steps=steps,
             aborted=aborted,
-            trace_span_s=span_s,
+            trace_span_s=requests[-1].arrival_s if n else 0.0,
         )
 
     @staticmethod
@@ -433,6 +351,173 @@ class Simulator:
         counters as the live sources' :class:`ModelMetrics`, through the same builder."""
         return to_observations(
             interval_metrics(recent, cfg.interval_s, cfg.latency_metric, sched), cfg.latency_metric, now_s
+        )
+
+
+def _enqueue_arrivals(
+    sched: Scheduler,
+    requests: Sequence[TraceRequest],
+    first: int,
+    now_s: float,
+    records: list[RequestRecord],
+    prompt_cache: dict[int, tuple[int, ...]],
+) -> tuple[int, int]:
+    """Hands the scheduler the requests from ``first`` on that arrived by ``now_s``; returns the
+    index of the next one still to arrive and how many the scheduler rejected."""
+    n = len(requests)
+    index = first
+    rejected = 0
+    while index < n and requests[index].arrival_s <= now_s:
+        req = requests[index]
+        length = req.prompt_tokens
+        prompt = prompt_cache.get(length)
+        if prompt is None:
+            prompt = (SYNTHETIC_TOKEN,) * length
+            prompt_cache[length] = prompt
+        try:
+            sched.add_request(SchedRequest(str(index), prompt, max(1, req.output_tokens), req.arrival_s))
+        except (QueueFullError, RequestRejected):
+            records[index].rejected = True
+            rejected += 1
+        index += 1
+    return index, rejected
+
+
+def _next_event_s(now_s: float, next_tick_s: float, next_arrival_s: float | None, sched: Scheduler) -> float | None:
+    """When an idle scheduler next has something to do: the next tick, arrival or admission
+    deadline; None when every request has arrived and finished."""
+    candidates = [next_tick_s]
+    if next_arrival_s is not None:
+        candidates.append(next_arrival_s)
+    deadline = sched.next_deadline_s()
+    if deadline is not None and deadline > now_s:
+        candidates.append(deadline)
+    if next_arrival_s is None and not sched.has_unfinished:
+        return None
+    return max(now_s, min(candidates))
+
+
+class _Tally:
+    """A run's per-request accounting: admission and token times, the latency metric's
+    observations against the SLO, inter-token gaps, and the misses of both."""
+
+    def __init__(self, records: list[RequestRecord], cfg: SimConfig, current: _Interval) -> None:
+        self.records = records
+        self.metric = cfg.latency_metric
+        self.slo_s = cfg.slo_p99_s
+        self.itl_slo_s = cfg.slo_itl_p99_s if cfg.slo_itl_p99_s is not None else math.inf
+        self.current = current  # the interval being counted; the run swaps it at each tick
+        self.gaps = GapHistogram()
+        self.misses = 0
+        self.gap_misses = 0
+
+    def observe(self, value_s: float) -> None:
+        self.current.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, value_s)] += 1
+        if value_s > self.slo_s:
+            self.misses += 1
+
+    def admitted(self, seqs: Sequence[ScheduledSeq], start_s: float) -> None:
+        """Admissions: a first prefill chunk of a never-admitted request."""
+        records = self.records
+        for seq in seqs:
+            if seq.is_prefill and seq.start_pos == 0:
+                record = records[int(seq.request_id)]
+                if math.isnan(record.admitted_s):
+                    record.admitted_s = start_s
+                    if self.metric == LatencyMetric.QUEUE_WAIT:
+                        self.observe(start_s - record.arrival_s)
+
+    def outputs(self, outputs: Sequence[RequestOutput], now_s: float) -> None:
+        """Tokens emitted by the step that ended at ``now_s``."""
+        records = self.records
+        metric = self.metric
+        buckets = LATENCY_BUCKETS_S
+        itl_buckets = self.current.itl_buckets
+        gap_counts = self.gaps.counts
+        itl_slo_s = self.itl_slo_s
+        for out in outputs:
+            record = records[int(out.request_id)]
+            last_s = record.last_token_s
+            record.last_token_s = now_s
+            if last_s == last_s:  # not NaN: a gap since this request's previous token (stalls included)
+                gap_s = now_s - last_s
+                itl_buckets[bisect.bisect_left(buckets, gap_s)] += 1
+                gap_counts[min(_GAP_BINS, int(gap_s / GAP_BIN_S))] += 1
+                if gap_s > itl_slo_s:
+                    self.gap_misses += 1
+            elif metric == LatencyMetric.TTFT:
+                self.observe(now_s - record.arrival_s)
+            if math.isnan(record.first_token_s):
+                record.first_token_s = now_s
+            if out.finish_reason is not None:
+                record.finished_s = now_s
+                if metric == LatencyMetric.E2E:
+                    self.observe(now_s - record.arrival_s)
+
+
+class _Ticks:
+    """The controller's side of a run: one tick per ``interval_s`` observes the last rate window,
+    lets the controller decide, stages its window, and starts the next interval's counters."""
+
+    def __init__(
+        self, cfg: SimConfig, controller: Controller | None, window: Window, progress: Callable[[float], None] | None
+    ) -> None:
+        self.cfg = cfg
+        self.controller = controller
+        self.window = window
+        self.progress = progress
+        self.intervals: list[_Interval] = [_Interval()]
+        self.current = self.intervals[0]
+        self.window_len = max(1, math.ceil(cfg.rate_window_s / cfg.interval_s - 1e-9))
+        self.timeline: list[TimelinePoint] = []
+        self.interval_admissions: list[tuple[float, dict[str, int]]] = []
+        self.changes = 0
+        self.next_tick_s = cfg.interval_s
+
+    def run_due(self, now_s: float, sched: Scheduler) -> None:
+        while self.next_tick_s <= now_s:
+            self._tick(sched)
+
+    def _tick(self, sched: Scheduler) -> None:
+        cfg = self.cfg
+        tick_s = self.next_tick_s
+        current = self.current
+        obs = Simulator._observations(self.intervals[-self.window_len :], cfg, sched, tick_s)
+        self.interval_admissions.append((current.arrivals / cfg.interval_s, dict(current.admissions)))
+        changed = False
+        if self.controller is not None:
+            proposal = self.controller.on_interval(tick_s, obs, self.window)
+            if proposal is not None and not proposal.fields_equal(self.window):
+                self.window = proposal
+                sched.set_window(proposal)
+                self.changes += 1
+                changed = True
+        if cfg.record_timeline:
+            self.timeline.append(self._point(tick_s, obs, sched, changed))
+        self.current = _Interval()
+        self.intervals.append(self.current)
+        if len(self.intervals) > self.window_len + 1:
+            del self.intervals[0]
+        self.next_tick_s += cfg.interval_s
+        if self.progress is not None:
+            self.progress(self.next_tick_s)
+
+    def _point(self, tick_s: float, obs: Observations, sched: Scheduler, changed: bool) -> TimelinePoint:
+        window = self.window
+        return TimelinePoint(
+            tick_s,
+            obs.arrival_rate_per_s,
+            obs.p99_s if not obs.p99_saturated else math.inf,
+            obs.itl_p99_s if not obs.itl_p99_saturated else math.inf,
+            sched.num_waiting,
+            sched.num_running,
+            sched.kv_usage_ratio,
+            window.target_batch_size,
+            window.hard_cap,
+            window.max_wait_ms,
+            window.tail_mark_ratio,
+            window.max_prefill_tokens or self.cfg.scheduler.max_prefill_tokens_per_step,
+            changed,
         )
 
 
