@@ -6,6 +6,8 @@ and await token events; the engine thread owns the scheduler, the model and the 
 Modules:
 - ``app``: ``POST /v1/completions`` (SSE streaming, stop strings, lanes), ``GET /v1/models``,
   ``/healthz``, ``/readyz``, ``/metrics`` on the serving port.
+- ``generation``: one accepted request from the engine's token events to the client (streamed
+  or whole), shared by the OpenAI routes; ``request_body``: strict JSON, errors naming the field.
 - ``admin``: ``GET``/``PUT /admin/window`` on the admin port (bearer token).
 - ``metrics``: ``MetricsExporter``, the engine's ``EngineObserver``, exporting every metric
   of ``metric_names`` from its own registry.

@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from batchpilot_runtime.contract.admin_api import ADMIN_WINDOW_PATH, AdminError, WindowState, WindowUpdate
 from batchpilot_runtime.engine.types import InvalidWindowError, StaleGenerationError
-from batchpilot_runtime.server.app import ApiError, decode_json, error_message, read_body
 from batchpilot_runtime.server.context import ServingContext
 from batchpilot_runtime.server.logs import RequestIdMiddleware
+from batchpilot_runtime.server.request_body import ApiError, decode_json, error_message, read_body
 
 logger = logging.getLogger("batchpilot.admin")
 
