@@ -61,6 +61,58 @@ def test_validate_names_the_bad_field(tmp_path: Path, capsys) -> None:  # type: 
     assert "INVALID" in out and "targetBatchSize" in out and "hardCap" in out
 
 
+THREE_ERRORS = """\
+apiVersion: batchpilot.dev/v1alpha1
+kind: BatchProfile
+metadata: {name: three}
+spec:
+  model: m
+  selector: {matchLabels: {a: b}}
+  window: {targetBatchSize: 8, hardCap: 16, maxWaitMs: 900}
+  slo: {p99Ms: -1}
+  lanes:
+    - {name: c, window: {targetBatchSize: 1, hardCap: 2, maxWaitMs: 0}}
+    - {name: c, window: {targetBatchSize: 1, hardCap: 2, maxWaitMs: 0}}
+"""
+
+
+def test_validate_prints_every_error_of_a_file_in_one_run(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # One field error and two cross-field errors: each used to need its own pass.
+    bad = tmp_path / "three.yaml"
+    bad.write_text(THREE_ERRORS)
+    assert operator_cli.main(["validate", str(bad)]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if "INVALID" in line]
+    assert len(lines) == 3, lines
+    assert "spec.slo.p99Ms: Input should be greater than 0" in lines[0]
+    assert "window.maxWaitMs must lie within tuning.bounds (maxWaitMs bounds are 0..500)" in lines[1]
+    assert "lanes[].name must be unique; repeated: c" in lines[2]
+
+
+def test_validate_fails_on_a_folder_without_profiles(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "deployment.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n")
+    assert operator_cli.main(["validate", str(tmp_path / "empty"), str(tmp_path / "other")]) == 1
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'empty'}: no BatchProfile found" in out
+    assert f"{tmp_path / 'other'}: no BatchProfile found" in out
+
+
+def test_validate_accepts_partial_bounds_and_warns_of_unused_settings(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    profile = tmp_path / "partial.yaml"
+    profile.write_text(
+        "apiVersion: batchpilot.dev/v1alpha1\nkind: BatchProfile\nmetadata: {name: partial}\n"
+        "spec:\n  model: m\n  selector: {matchLabels: {a: b}}\n"
+        "  window: {targetBatchSize: 8, hardCap: 16, maxWaitMs: 200}\n  slo: {p99Ms: 800}\n"
+        "  tuning: {bounds: {maxWaitMs: {max: 1000}}}\n"
+    )
+    assert operator_cli.main(["validate", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "default/partial: ok" in out
+    assert "warning: window.maxWaitMs (200) is above what the policy ever chooses (0.1 x slo.p99Ms = 80 ms)" in out
+    assert "warning: tuning.bounds.maxWaitMs.max (1000)" in out
+
+
 def test_validate_reports_unreadable_yaml_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "broken.yaml"
     bad.write_text("spec: [unclosed\n")

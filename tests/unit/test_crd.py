@@ -136,6 +136,24 @@ def test_minimal_profile_is_defaulted_and_valid() -> None:
     assert defaulted["spec"]["window"]["tailMarkRatio"] == 2.0
 
 
+def test_partial_bounds_are_defaulted_by_the_schema_as_by_the_models() -> None:
+    from batchpilot_operator.api.profile import parse_spec
+
+    partial = make_profile(tuning={"bounds": {"maxWaitMs": {"max": 2000}, "tailMarkRatio": {"min": 1.2}}})
+    defaulted, errors = validate_object(CRD, partial)
+    assert errors == []
+    bounds = defaulted["spec"]["tuning"]["bounds"]
+    assert bounds["maxWaitMs"] == {"min": 0, "max": 2000}
+    assert bounds["tailMarkRatio"] == {"min": 1.2, "max": 4.0}
+    parsed = parse_spec(partial["spec"]).tuning.bounds.model_dump(by_alias=True)
+    assert parsed == bounds
+
+
+def test_a_partial_range_below_its_default_end_is_refused_by_cel() -> None:
+    _, errors = validate_object(CRD, make_profile(tuning={"bounds": {"maxPrefillTokens": {"max": 100}}}))
+    assert errors == ["spec.tuning.bounds.maxPrefillTokens: min must be less than or equal to max"]
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_pass_schema_and_cel(path: Path) -> None:
     _, errors = validate_object(CRD, yaml.safe_load(path.read_text()))

@@ -78,6 +78,40 @@ def test_bad_specs_name_the_field(overrides: dict[str, Any], names: list[str]) -
         assert name in str(caught.value)
 
 
+def test_partial_bounds_take_the_other_end_from_the_defaults() -> None:
+    spec = parse_spec(make_spec(tuning={"bounds": {"maxWaitMs": {"max": 2000}, "hardCap": {"min": 4}}}))
+    assert (spec.tuning.bounds.max_wait_ms.min, spec.tuning.bounds.max_wait_ms.max) == (0, 2000)
+    assert (spec.tuning.bounds.hard_cap.min, spec.tuning.bounds.hard_cap.max) == (4, 512)
+    assert (spec.tuning.bounds.target_batch_size.min, spec.tuning.bounds.target_batch_size.max) == (1, 256)
+
+
+def test_a_partial_range_below_its_default_end_says_which_end_was_defaulted() -> None:
+    with pytest.raises(ProfileError) as caught:
+        parse_spec(make_spec(tuning={"bounds": {"maxPrefillTokens": {"max": 100}}}))
+    assert caught.value.problems == [
+        "spec.tuning.bounds.maxPrefillTokens: min (128, the default) must be less than or equal to max (100); "
+        "give both ends"
+    ]
+
+
+def test_field_and_cross_field_errors_come_together() -> None:
+    lane = {"name": "c", "reservedSlots": 32, "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}
+    with pytest.raises(ProfileError) as caught:
+        parse_spec(
+            make_spec(
+                window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
+                tuning={"bounds": {"hardCap": {"max": 8}}, "cooldownSeconds": -1},
+                lanes=[lane, lane],
+            )
+        )
+    assert caught.value.problems == [
+        "spec.tuning.cooldownSeconds: Input should be greater than or equal to 0",
+        "spec: window.hardCap must lie within tuning.bounds (hardCap bounds are 1..8)",
+        "spec: lanes[].name must be unique; repeated: c",
+        "spec: lanes[c].reservedSlots (32) must not exceed window.hardCap (16)",
+    ]
+
+
 def test_missing_required_fields_are_named() -> None:
     with pytest.raises(ProfileError) as caught:
         parse_spec({"model": "m"})

@@ -4,7 +4,10 @@ Part of the BatchProfile models (``batchpilot_operator.api.profile`` re-exports
 every name here); the CRD schema is generated from these classes, so their
 field descriptions and CEL rules are the ones ``kubectl explain`` shows. A
 range's ``min`` never exceeds its ``max``: both the schema's CEL rule and the
-model validator refuse it.
+model validator refuse it. Each window field has its own range class whose ``min``
+and ``max`` carry that field's defaults, so that a range given in part
+(``maxWaitMs: {max: 2000}``) takes the other end from the defaults, here and, through
+the schema's ``default``, in the API server alike.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ def cel_rules(*rules: tuple[str, str]) -> ConfigDict:
     )
 
 
+def _disorder(low: float, high: float, given: set[str]) -> str:
+    """The message for min > max, saying which end came from the defaults (a range given in part)."""
+    low_text = f"{low:g}" if "min" in given else f"{low:g}, the default"
+    high_text = f"{high:g}" if "max" in given else f"{high:g}, the default"
+    hint = "" if {"min", "max"} <= given else "; give both ends"
+    return f"min ({low_text}) must be less than or equal to max ({high_text}){hint}"
+
+
 class _OrderedIntRange(CamelModel):
     """A min..max pair of integers (the fields and their limits are the subclass's)."""
 
@@ -35,7 +46,7 @@ class _OrderedIntRange(CamelModel):
     @model_validator(mode="after")
     def _ordered(self) -> _OrderedIntRange:
         if self.min > self.max:
-            raise ValueError(f"min ({self.min}) must be less than or equal to max ({self.max})")
+            raise ValueError(_disorder(self.min, self.max, self.model_fields_set))
         return self
 
     def clamp(self, value: int) -> int:
@@ -68,7 +79,7 @@ class FloatRange(CamelModel):
     @model_validator(mode="after")
     def _ordered(self) -> FloatRange:
         if self.min > self.max:
-            raise ValueError(f"min ({self.min:g}) must be less than or equal to max ({self.max:g})")
+            raise ValueError(_disorder(self.min, self.max, self.model_fields_set))
         return self
 
     def clamp(self, value: float) -> float:
@@ -78,34 +89,59 @@ class FloatRange(CamelModel):
         return self.min <= value <= self.max
 
 
-def _int_range(lo: int, hi: int) -> IntRange:
-    return IntRange(min=lo, max=hi)
+_LOWEST = "Lowest value the operator may set"
+_HIGHEST = "Highest value the operator may set"
+
+
+class TargetBatchSizeRange(IntRange):
+    min: int = Field(default=1, ge=0, le=MAX_WAIT_MS_LIMIT, description=f"{_LOWEST}.")
+    max: int = Field(default=256, ge=0, le=MAX_WAIT_MS_LIMIT, description=f"{_HIGHEST}.")
+
+
+class HardCapRange(IntRange):
+    min: int = Field(default=1, ge=0, le=MAX_WAIT_MS_LIMIT, description=f"{_LOWEST}.")
+    max: int = Field(default=512, ge=0, le=MAX_WAIT_MS_LIMIT, description=f"{_HIGHEST}.")
+
+
+class MaxWaitMsRange(IntRange):
+    min: int = Field(default=0, ge=0, le=MAX_WAIT_MS_LIMIT, description=f"{_LOWEST}, ms.")
+    max: int = Field(default=500, ge=0, le=MAX_WAIT_MS_LIMIT, description=f"{_HIGHEST}, ms.")
+
+
+class TailMarkRatioRange(FloatRange):
+    min: float = Field(default=1.5, gt=1.0, le=100.0, description=f"{_LOWEST}.")
+    max: float = Field(default=4.0, gt=1.0, le=100.0, description=f"{_HIGHEST}.")
+
+
+class MaxPrefillTokensRange(TokenRange):
+    min: int = Field(default=128, ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description=f"{_LOWEST}.")
+    max: int = Field(default=16_384, ge=1, le=MAX_PREFILL_TOKENS_LIMIT, description=f"{_HIGHEST}.")
 
 
 class WindowBounds(CamelModel):
     """How far the operator may move each field of the window."""
 
-    target_batch_size: IntRange = Field(
-        default_factory=lambda: _int_range(1, 256),
-        description="Range of targetBatchSize the operator may choose.",
+    target_batch_size: TargetBatchSizeRange = Field(
+        default_factory=TargetBatchSizeRange,
+        description="Range of targetBatchSize the operator may choose; an end left out takes its default.",
     )
-    hard_cap: IntRange = Field(
-        default_factory=lambda: _int_range(1, 512),
-        description="Range of hardCap the operator may choose.",
+    hard_cap: HardCapRange = Field(
+        default_factory=HardCapRange,
+        description="Range of hardCap the operator may choose; an end left out takes its default.",
     )
-    max_wait_ms: IntRange = Field(
-        default_factory=lambda: _int_range(0, 500),
-        description="Range of maxWaitMs the operator may choose.",
+    max_wait_ms: MaxWaitMsRange = Field(
+        default_factory=MaxWaitMsRange,
+        description="Range of maxWaitMs the operator may choose; an end left out takes its default.",
     )
-    tail_mark_ratio: FloatRange = Field(
-        default_factory=lambda: FloatRange(min=1.5, max=4.0),
-        description="Range of tailMarkRatio the operator may choose.",
+    tail_mark_ratio: TailMarkRatioRange = Field(
+        default_factory=TailMarkRatioRange,
+        description="Range of tailMarkRatio the operator may choose; an end left out takes its default.",
     )
-    max_prefill_tokens: TokenRange = Field(
-        default_factory=lambda: TokenRange(min=128, max=16_384),
+    max_prefill_tokens: MaxPrefillTokensRange = Field(
+        default_factory=MaxPrefillTokensRange,
         description=(
             "Range of maxPrefillTokens the operator may choose (it sets one only for an SLO with "
-            "interTokenP99Ms; an unset budget stays unset otherwise)."
+            "interTokenP99Ms; an unset budget stays unset otherwise); an end left out takes its default."
         ),
     )
 

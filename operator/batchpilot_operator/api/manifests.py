@@ -24,7 +24,10 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 @dataclass(frozen=True)
 class LoadedProfile:
-    """One BatchProfile document: ``spec`` when it validates, ``error`` otherwise (never both)."""
+    """One BatchProfile document: ``spec`` when it validates, ``error`` otherwise (never both).
+
+    ``problems`` holds the error's parts, one per bad field (``error`` joins them).
+    """
 
     source: str
     namespace: str
@@ -32,6 +35,7 @@ class LoadedProfile:
     spec: BatchProfileSpec | None = None
     error: str | None = None
     manifest: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    problems: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> str:
@@ -70,7 +74,14 @@ def _load_document(source: str, document: dict[str, Any]) -> LoadedProfile:
     try:
         namespace, parsed_name, spec = parse_manifest(document)
     except ProfileError as error:
-        return LoadedProfile(source=source, namespace=namespace, name=name, error=str(error), manifest=document)
+        return LoadedProfile(
+            source=source,
+            namespace=namespace,
+            name=name,
+            error=str(error),
+            manifest=document,
+            problems=tuple(error.problems),
+        )
     return LoadedProfile(source=source, namespace=namespace, name=parsed_name, spec=spec, manifest=document)
 
 
@@ -86,7 +97,10 @@ def load_profiles(path: Path) -> list[LoadedProfile]:
         try:
             documents = list(yaml.safe_load_all(file.read_text()))
         except yaml.YAMLError as error:
-            loaded.append(LoadedProfile(source=source, namespace="default", name=None, error=f"invalid YAML: {error}"))
+            message = f"invalid YAML: {error}"
+            loaded.append(
+                LoadedProfile(source=source, namespace="default", name=None, error=message, problems=(message,))
+            )
             continue
         for top in documents:
             for document in _documents(top):

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from batchpilot_operator import API_VERSION, KIND
 from batchpilot_operator.api.bounds import FloatRange as FloatRange
@@ -300,23 +301,36 @@ class BatchProfileSpec(CamelModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> BatchProfileSpec:
-        outside = self.tuning.bounds.fields_outside(self.window)
+        problems = cross_field_problems(self.window, self.tuning.bounds, self.lanes)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def cross_field_problems(window: WindowFields | None, bounds: WindowBounds | None, lanes: list[Lane]) -> list[str]:
+    """Every rule between the window, the bounds and the lanes that these parts break, one line each.
+
+    A part that did not validate on its own is None (or left out of ``lanes``), and the rules
+    that need it are skipped, so that a profile's field errors and cross-field errors are all
+    reported at once rather than one pass at a time.
+    """
+    problems = []
+    if window is not None and bounds is not None:
+        outside = bounds.fields_outside(window)
         if outside:
             names = ", ".join(f"window.{name}" for name in outside)
-            raise ValueError(
-                f"{names} must lie within tuning.bounds ({'; '.join(self.tuning.bounds.ranges_text(outside))})"
-            )
-        lane_names = [lane.name for lane in self.lanes]
-        duplicates = sorted({n for n in lane_names if lane_names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"lanes[].name must be unique; repeated: {', '.join(duplicates)}")
-        for lane in self.lanes:
-            if lane.reserved_slots > self.window.hard_cap:
-                raise ValueError(
-                    f"lanes[{lane.name}].reservedSlots ({lane.reserved_slots}) must not exceed "
-                    f"window.hardCap ({self.window.hard_cap})"
-                )
-        return self
+            problems.append(f"{names} must lie within tuning.bounds ({'; '.join(bounds.ranges_text(outside))})")
+    lane_names = [lane.name for lane in lanes]
+    duplicates = sorted({n for n in lane_names if lane_names.count(n) > 1})
+    if duplicates:
+        problems.append(f"lanes[].name must be unique; repeated: {', '.join(duplicates)}")
+    if window is not None:
+        problems.extend(
+            f"lanes[{lane.name}].reservedSlots ({lane.reserved_slots}) must not exceed window.hardCap ({window.hard_cap})"
+            for lane in lanes
+            if lane.reserved_slots > window.hard_cap
+        )
+    return list(dict.fromkeys(problems))  # two lanes of one name may break a rule alike
 
 
 # ---- status ----------------------------------------------------------------
@@ -465,26 +479,68 @@ CONDITION_TYPES = ("Ready", "Synced", "MetricsAvailable", "SLOMet")
 
 
 class ProfileError(ValueError):
-    """A BatchProfile that does not validate; the message names every bad field."""
+    """A BatchProfile that does not validate; ``problems`` names every bad field, one line each."""
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
 
 
-def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+def validation_problems(error: ValidationError, prefix: str = "") -> list[str]:
     """One line per problem, each naming the field by its path as written in YAML."""
+    return _problem_lines(error.errors(), prefix)
+
+
+def _problem_lines(errors: list[ErrorDetails], prefix: str) -> list[str]:
     lines = []
-    for problem in error.errors():
+    for problem in errors:
         path = ".".join(str(part) for part in problem["loc"])
         where = ".".join(p for p in (prefix, path) if p)
         message = problem["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {message}" if where else message)
-    return "; ".join(lines)
+    return lines
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """:func:`validation_problems` on one line."""
+    return "; ".join(validation_problems(error, prefix))
+
+
+def _part(model: type[CamelModel], value: Any) -> Any:
+    """``value`` validated as ``model``, or None when it does not validate (its errors are reported anyway)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError:
+        return None
+
+
+def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
+    """The cross-field rules checked on the parts of a spec that validate on their own."""
+    window = _part(WindowFields, spec["window"]) if "window" in spec else None
+    tuning = spec.get("tuning", {})
+    # The bounds alone: a bad tuning field beside them does not hide what they refuse.
+    bounds = _part(WindowBounds, tuning.get("bounds", {})) if isinstance(tuning, dict) else None
+    raw_lanes = spec.get("lanes", [])
+    parsed_lanes = [_part(Lane, raw) for raw in raw_lanes] if isinstance(raw_lanes, list) else []
+    return cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
 
 
 def parse_spec(spec: Any) -> BatchProfileSpec:
-    """Validate a spec mapping; raise :class:`ProfileError` naming the fields that are wrong."""
+    """Validate a spec mapping; raise :class:`ProfileError` naming every field that is wrong.
+
+    pydantic checks the rules between fields only once every field is valid; here they are
+    checked on the parts that are, so one run reports field and cross-field errors together.
+    """
     try:
         return BatchProfileSpec.model_validate(spec)
     except ValidationError as error:
-        raise ProfileError(format_validation_error(error, "spec")) from None
+        if not isinstance(spec, dict):
+            raise ProfileError(validation_problems(error, "spec")) from None
+        # The spec-level rule errors (at the spec itself) are replaced by the per-part check.
+        field_errors = [e for e in error.errors() if e["loc"] or e["type"] != "value_error"]
+        lines = _problem_lines(field_errors, "spec")
+        lines.extend(f"spec: {problem}" for problem in _parts_cross_field_problems(spec))
+        raise ProfileError(lines) from None
 
 
 def parse_manifest(manifest: Any) -> tuple[str, str, BatchProfileSpec]:

@@ -42,8 +42,13 @@ def _default_of(node: dict[str, Any]) -> str:
     if "default" not in node:
         return ""
     value = node["default"]
+    if not value and isinstance(value, dict | list):
+        return ""
+    if isinstance(value, dict) and not any(isinstance(v, dict | list) for v in value.values()):
+        # A flat object (a min..max range) fits in the cell; a nested one gives each field's default below.
+        return "`{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}`"
     if isinstance(value, dict | list):
-        return "" if not value else "(see fields)"
+        return "each field's default below"
     return f"`{value}`"
 
 
