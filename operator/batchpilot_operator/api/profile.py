@@ -23,6 +23,7 @@ from batchpilot_operator.api.bounds import IntRange as IntRange
 from batchpilot_operator.api.bounds import TokenRange as TokenRange
 from batchpilot_operator.api.bounds import WindowBounds as WindowBounds
 from batchpilot_operator.api.bounds import cel_rules
+from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.contract.window import (
     MAX_BATCH_SIZE,
     MAX_PREFILL_TOKENS_LIMIT,
@@ -227,8 +228,10 @@ class SecretKeyRef(CamelModel):
 class RuntimeEndpoint(CamelModel):
     """How the operator reaches the runtime pods' admin API."""
 
-    admin_port: int = Field(default=8081, ge=1, le=65535, description="Port of the runtime's admin API.")
-    serve_port: int = Field(default=8080, ge=1, le=65535, description="Port of the runtime's serving API and /metrics.")
+    admin_port: int = Field(default=DEFAULT_ADMIN_PORT, ge=1, le=65535, description="Port of the runtime's admin API.")
+    serve_port: int = Field(
+        default=DEFAULT_SERVE_PORT, ge=1, le=65535, description="Port of the runtime's serving API and /metrics."
+    )
     admin_token_secret: SecretKeyRef | None = Field(
         default=None,
         description="Secret with the admin bearer token; the operator's own token is used when unset.",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot_runtime.cli.args import positive_int
+from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 
 ENV_PREFIX = "BATCHPILOT_"
@@ -112,8 +113,8 @@ def _add_window_args(parser: argparse.ArgumentParser) -> None:
 def _add_network_args(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     _add(net, "--host", default="127.0.0.1", help="address both ports bind (0.0.0.0 in a container)")
-    _add(net, "--port", default=8000, type=_port, help="serving port: /v1, /metrics, /healthz, /readyz")
-    _add(net, "--admin-port", default=8001, type=_port, help="admin port: /admin/window")
+    _add(net, "--port", default=DEFAULT_SERVE_PORT, type=_port, help="serving port: /v1, /metrics, /healthz, /readyz")
+    _add(net, "--admin-port", default=DEFAULT_ADMIN_PORT, type=_port, help="admin port: /admin/window")
     _add(
         net,
         "--admin-token-file",

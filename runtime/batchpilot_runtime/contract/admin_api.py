@@ -14,6 +14,10 @@ ADMIN_WINDOW_PATH = "/admin/window"
 LANE_HEADER = "X-Batchpilot-Lane"
 # The lane of the main window: every request not sent to a named lane waits here.
 DEFAULT_LANE = "default"
+# One pair of default ports for ``serve``, the BatchProfile's spec.runtime, the chart and the image, so that
+# a runtime started on its defaults is where a profile on its defaults looks (a test compares all four).
+DEFAULT_SERVE_PORT = 8080
+DEFAULT_ADMIN_PORT = 8081
 
 
 class LaneWindow(CamelModel):

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
+from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_LANE, DEFAULT_SERVE_PORT, LaneWindow
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 
@@ -36,8 +36,8 @@ class ServeConfig:
     preset: str = "tiny"
     checkpoint: Path | None = None
     host: str = "127.0.0.1"
-    port: int = 8000
-    admin_port: int = 8001
+    port: int = DEFAULT_SERVE_PORT
+    admin_port: int = DEFAULT_ADMIN_PORT
     admin_token_file: Path | None = None
     kv_cache_tokens: int | None = None  # None: the engine's default (a memory fraction on CUDA)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
