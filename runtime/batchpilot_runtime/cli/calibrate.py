@@ -35,7 +35,9 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", default="small", help="model preset (tiny, small, medium)")
-    parser.add_argument("--checkpoint", type=Path, default=None, help="local safetensors checkpoint directory")
+    parser.add_argument(
+        "--checkpoint", default=None, help="a named model, a GGUF file or a safetensors checkpoint directory"
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")
     parser.add_argument("--prompt-lengths", default="16,64,256", help="comma-separated prompt lengths (tokens)")

@@ -31,12 +31,17 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--prompts-file", type=Path, help="a file with one prompt per line (blank lines skipped)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default="tiny", help="model preset with seeded random weights (default: tiny)")
-    source.add_argument("--checkpoint", type=Path, help="a local Hugging Face Llama safetensors checkpoint directory")
+    source.add_argument(
+        "--checkpoint",
+        help="a named model (smollm2-135m-instruct), a Llama GGUF file, or a Hugging Face Llama safetensors directory",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed, and the sampling seed of each prompt")
-    parser.add_argument("--stop-at-eos", action="store_true", help="stop a completion at the tokenizer's EOS token")
+    parser.add_argument(
+        "--stop-at-eos", action="store_true", help="stop a completion at the tokenizer's end tokens (EOS, end of turn)"
+    )
     parser.add_argument("--kv-cache-tokens", type=int, help="KV-cache capacity in tokens (default: engine default)")
     parser.add_argument("--target-batch-size", type=int, default=32, help="window targetBatchSize (default: 32)")
     parser.add_argument("--hard-cap", type=int, default=64, help="window hardCap (default: 64)")
@@ -65,6 +70,7 @@ def _build_engine(args: argparse.Namespace, prompt_count: int) -> tuple[Engine, 
 
     from batchpilot_runtime.contract.window import Window
     from batchpilot_runtime.engine.engine import Engine
+    from batchpilot_runtime.model.sources import resolve_checkpoint
 
     if args.threads is not None:
         if args.threads < 1:
@@ -77,7 +83,7 @@ def _build_engine(args: argparse.Namespace, prompt_count: int) -> tuple[Engine, 
     except ValidationError as error:
         raise ValueError(f"invalid window: {error.errors()[0]['msg']}") from None
     engine = Engine.build(
-        model_name=args.checkpoint.name if args.checkpoint else args.preset,
+        model_name=resolve_checkpoint(args.checkpoint).name if args.checkpoint else args.preset,
         preset=args.preset,
         checkpoint=args.checkpoint,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -95,7 +101,7 @@ def _add_prompts(engine: Engine, args: argparse.Namespace, prompts: list[str]) -
     from batchpilot_runtime.engine.types import GenerationRequest
 
     tokenizer: Any = engine.tokenizer
-    stop_ids = (tokenizer.eos_token_id,) if args.stop_at_eos and tokenizer.eos_token_id is not None else ()
+    stop_ids = tuple(tokenizer.stop_token_ids) if args.stop_at_eos else ()
     tokens: dict[str, list[int]] = {}
     prompt_tokens = 0
     for index, prompt in enumerate(prompts):

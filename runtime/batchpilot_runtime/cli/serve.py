@@ -57,7 +57,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     _add(model, "--model-name", help="name reported in /v1/models and in every metric's model label")
     source = model.add_mutually_exclusive_group()
     _add(source, "--preset", default="tiny", help="architecture preset with random weights (no download)")
-    _add(source, "--checkpoint", type=Path, help="local directory with a safetensors checkpoint in HF Llama naming")
+    _add(
+        source,
+        "--checkpoint",
+        help="a named model (smollm2-135m-instruct), a Llama GGUF file, or a local directory with a safetensors "
+        "checkpoint in HF Llama naming",
+    )
     _add(model, "--seed", default=0, type=int, help="seed of the random weights")
     _add(model, "--device", help="torch device (default: CUDA when available, else CPU)")
     _add(
@@ -141,6 +146,7 @@ def _add_network_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from batchpilot_runtime.model.sources import resolve_checkpoint
     from batchpilot_runtime.server.config import ServeConfig, parse_lane, window_from_flags
 
     window = window_from_flags(args.target_batch_size, args.hard_cap, args.max_wait_ms, args.tail_mark_ratio)
@@ -149,19 +155,17 @@ def config_from_args(args: argparse.Namespace) -> Any:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"--lane: lane(s) given twice: {', '.join(duplicates)}")
-    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
-        raise ValueError(f"--checkpoint {args.checkpoint}: not a directory")
+    source = None if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
     if args.drain_timeout_s <= 0:
         raise ValueError(f"--drain-timeout-s must be > 0, got {args.drain_timeout_s}")
     if not (math.isfinite(args.engine_stall_timeout_s) and args.engine_stall_timeout_s > 0):
         raise ValueError(f"--engine-stall-timeout-s must be a finite number > 0, got {args.engine_stall_timeout_s}")
-    preset = args.preset if args.checkpoint is None else "checkpoint"
     return ServeConfig(
-        model_name=args.model_name or (Path(args.checkpoint).name if args.checkpoint else f"batchpilot-{preset}"),
+        model_name=args.model_name or (source.name if source else f"batchpilot-{args.preset}"),
         window=window,
         lanes=lanes,
         preset=args.preset,
-        checkpoint=args.checkpoint,
+        checkpoint=None if source is None else source.path,
         host=args.host,
         port=args.port,
         admin_port=args.admin_port,

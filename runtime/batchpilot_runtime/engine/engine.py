@@ -35,6 +35,7 @@ from batchpilot_runtime.model.device import pick_device
 from batchpilot_runtime.model.kv_cache import PagedKVCache
 from batchpilot_runtime.model.model import LlamaModel
 from batchpilot_runtime.model.sampling import SamplingParams, make_generator, sample
+from batchpilot_runtime.model.sources import load_checkpoint, resolve_checkpoint
 from batchpilot_runtime.model.tokenizer import Tokenizer, load_tokenizer
 from batchpilot_runtime.scheduling.lanes import check_window
 from batchpilot_runtime.scheduling.scheduler import Scheduler
@@ -122,16 +123,16 @@ class Engine:
         clock: Clock = time.monotonic,
         observer: EngineObserver | None = None,
     ) -> Engine:
-        """Model (a preset with seeded random weights, or a local checkpoint), tokenizer, KV cache
+        """Model (a preset with seeded random weights, or a checkpoint: a named model, a GGUF file or a
+        safetensors directory, see ``model.sources``), tokenizer, KV cache
         (``kv_cache_tokens``, or on CUDA without it a fraction of free memory) and scheduler.
 
         ``batch_invariant`` None keeps the model's default (on for CPU: token-exact batching at
         about half the GEMM speed; off trades exactness across batch sizes for speed)."""
         torch_device, torch_dtype = pick_device(device, dtype)
         if checkpoint is not None:
-            checkpoint_dir = Path(checkpoint)
-            model = LlamaModel.from_safetensors(checkpoint_dir, torch_device, torch_dtype, batch_invariant)
-            tokenizer = load_tokenizer(checkpoint_dir)
+            source = resolve_checkpoint(checkpoint)
+            model, tokenizer = load_checkpoint(source, torch_device, torch_dtype, batch_invariant)
         else:
             model = LlamaModel.random(config_from_name(preset), seed, torch_device, torch_dtype, batch_invariant)
             tokenizer = load_tokenizer(None)

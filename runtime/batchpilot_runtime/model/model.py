@@ -19,16 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchpilot_runtime.model import checkpoint
+from batchpilot_runtime.model import checkpoint, gguf_checkpoint
 from batchpilot_runtime.model.attention import Attention, PagedAttention, dense_causal_attention, min_query_len
 from batchpilot_runtime.model.batch import ForwardBatch
 from batchpilot_runtime.model.config import INIT_STD, LlamaConfig
 from batchpilot_runtime.model.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 # Rows per BLAS call in batch-invariant mode: one fixed GEMM shape for every step.
 DEFAULT_ROW_TILE = 16
@@ -183,6 +187,26 @@ class LlamaModel(nn.Module):
         resolved = torch.device(device)
         model = cls(config, batch_invariant=_default_invariance(resolved, batch_invariant))
         checkpoint.load_tensors(shards, hf_state_dict(model), config.tie_word_embeddings)
+        return model.to(device=resolved, dtype=dtype).eval()
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: Path | str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_invariant: bool | None = None,
+        reader: GGUFReader | None = None,
+    ) -> LlamaModel:
+        """Load a Llama-architecture GGUF file, every tensor dequantized once to float32 (then ``dtype``).
+
+        ``reader``: the file's open reader, when the caller also builds the tokenizer from it."""
+        file = Path(path)
+        reader = reader if reader is not None else gguf_checkpoint.open_reader(file)
+        config = gguf_checkpoint.read_config(reader, file)
+        resolved = torch.device(device)
+        model = cls(config, batch_invariant=_default_invariance(resolved, batch_invariant))
+        gguf_checkpoint.load_tensors(reader, file, config, hf_state_dict(model))
         return model.to(device=resolved, dtype=dtype).eval()
 
     def save_safetensors(self, directory: Path | str) -> None:
