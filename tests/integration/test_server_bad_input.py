@@ -102,6 +102,30 @@ COMPLETION_CASES: dict[str, tuple[bytes, str]] = {
     "lone surrogate in user": (b'{"prompt": "hi", "user": "x\\udfff"}', "user"),
     "lone surrogate as a member name": (b'{"prompt": "hi", "\\ud800": 1}', "body"),
 }
+HI = [{"role": "user", "content": "hi"}]
+CHAT_CASES: dict[str, tuple[bytes, str]] = {
+    "5000-digit max_completion_tokens": (
+        to_json({"messages": HI, "max_completion_tokens": Raw(DIGITS_5000)}).encode(),
+        "max_completion_tokens",
+    ),
+    "5000-digit seed": (to_json({"messages": HI, "seed": Raw(DIGITS_5000)}).encode(), "seed"),
+    "NaN temperature": (to_json({"messages": HI, "temperature": Raw("NaN")}).encode(), "temperature"),
+    "1e400 top_p": (to_json({"messages": HI, "top_p": Raw("1e400")}).encode(), "top_p"),
+    "NaN presence_penalty": (to_json({"messages": HI, "presence_penalty": Raw("NaN")}).encode(), "presence_penalty"),
+    "100000 nested lists as messages": (f'{{"messages": {nested(100_000)}}}'.encode(), "body"),
+    "500 nested lists as content": (
+        to_json({"messages": [{"role": "user", "content": Raw(nested(500))}]}).encode(),
+        "messages.0.content.0",
+    ),
+    "invalid UTF-8": (b'{"messages": [{"role": "user", "content": "\xff"}]}', "body"),
+    "UTF-16 with a byte-order mark": (json.dumps({"messages": HI}).encode("utf-16"), "body"),
+    "lone surrogate in content": (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    "lone surrogate in a text part": (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+        "messages.0.content.0.text",
+    ),
+    "lone surrogate as a member name": (b'{"messages": [], "\\ud800": 1}', "body"),
+}
 WINDOW_CASES: dict[str, tuple[bytes, str]] = {
     "5000-digit targetBatchSize": (
         to_json({"window": {**WINDOW, "targetBatchSize": Raw(DIGITS_5000)}}).encode(),
@@ -149,7 +173,12 @@ WINDOW_CASES: dict[str, tuple[bytes, str]] = {
         "lanes.0.name",
     ),
 }
-BODY_CASES = {("serve", "POST", "/v1/completions"): COMPLETION_CASES, ("admin", "PUT", "/admin/window"): WINDOW_CASES}
+BODY_CASES = {
+    ("serve", "POST", "/v1/completions"): COMPLETION_CASES,
+    ("serve", "POST", "/v1/chat/completions"): CHAT_CASES,
+    ("admin", "PUT", "/admin/window"): WINDOW_CASES,
+}
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded", ""]
 
 
@@ -427,7 +456,7 @@ def test_serving_schema_requests_end_in_a_result_or_an_explicit_error(
         payload = response.read()
     event(f"{method} {path} -> {response.status_code}")
     assert response.status_code < 500, payload[:500]
-    if path != "/v1/completions":
+    if path not in GENERATION_PATHS:
         assert response.status_code == 200
     elif response.status_code == 200:
         _check_completion(response, payload)

@@ -1,5 +1,5 @@
-"""Fuzzed and malformed completion requests: never a 5xx, every 4xx names what is wrong, and the
-server stays ready afterwards."""
+"""Fuzzed and malformed completion and chat completion requests: never a 5xx, every 4xx names what
+is wrong, and the server stays ready afterwards."""
 
 from __future__ import annotations
 
@@ -127,15 +127,7 @@ def _read(response: httpx.Response) -> bytes:
     return response.read()
 
 
-@pytest.mark.slow
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(body=bodies, extra_headers=headers)
-def test_fuzzed_bodies_never_5xx(client: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
-    with client.stream("POST", "/v1/completions", content=body, headers=extra_headers) as response:
-        payload = _read(response)
-    event(f"status {response.status_code}")
+def _check_result_or_named_error(response: httpx.Response, payload: bytes) -> None:
     assert response.status_code < 500, payload[:500]
     if response.status_code == 200:
         if response.headers["content-type"].startswith("text/event-stream"):
@@ -149,14 +141,99 @@ def test_fuzzed_bodies_never_5xx(client: httpx.Client, body: bytes, extra_header
         assert error["param"] is not None, error
 
 
+@pytest.mark.slow
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(body=bodies, extra_headers=headers)
+def test_fuzzed_bodies_never_5xx(client: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
+    with client.stream("POST", "/v1/completions", content=body, headers=extra_headers) as response:
+        payload = _read(response)
+    event(f"status {response.status_code}")
+    _check_result_or_named_error(response, payload)
+
+
+# Chat messages near their domain: the roles and part types it refuses, members it does not know.
+chat_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]) | json_values,
+            "content": st.text(max_size=30)
+            | st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "text", "image_url"]), "text": st.text(max_size=10)}
+                ),
+                max_size=3,
+            )
+            | json_values,
+        },
+        optional={"name": st.text(max_size=5) | json_values, "tool_calls": json_values},
+    ),
+    max_size=4,
+)
+valid_chat_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant"]),
+            "content": st.text(max_size=30)
+            | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=3),
+        }
+    ),
+    min_size=1,
+    max_size=4,
+)
+chat_field_values: dict[str, st.SearchStrategy[Any]] = {
+    **{k: v for k, v in field_values.items() if k not in ("prompt", "echo", "best_of", "logprobs")},
+    "messages": chat_messages | json_values,
+    "max_completion_tokens": field_values["max_tokens"],
+    "presence_penalty": st.sampled_from([0, 0.0, 0.5, False]) | json_values,
+    "logprobs": st.booleans() | json_values,
+    "tools": st.sampled_from([[], None]) | json_values,
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | json_values,
+}
+valid_chat_bodies = st.fixed_dictionaries(
+    {"messages": valid_chat_messages, "max_completion_tokens": st.integers(1, 12)},
+    optional={
+        **{k: v for k, v in valid_values.items() if k != "max_tokens"},
+        "presence_penalty": st.just(0),
+        "logprobs": st.just(False),
+    },
+).map(lambda d: json.dumps(d).encode())
+chat_bodies = st.one_of(
+    valid_chat_bodies,
+    st.fixed_dictionaries({}, optional=chat_field_values).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries(
+        {"messages": valid_chat_messages, "max_tokens": st.integers(1, 12)},
+        optional={k: v for k, v in chat_field_values.items() if k not in ("messages", "max_tokens")},
+    ).map(lambda d: json.dumps(d).encode()),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=200),
+)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(body=chat_bodies, extra_headers=headers)
+def test_fuzzed_chat_bodies_never_5xx(client: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
+    with client.stream("POST", "/v1/chat/completions", content=body, headers=extra_headers) as response:
+        payload = _read(response)
+    event(f"status {response.status_code}")
+    _check_result_or_named_error(response, payload)
+
+
 def test_server_is_still_ready_after_fuzzing(client: httpx.Client) -> None:
     # Runs after the fuzz test in file order; on its own it checks a fresh server, which must also hold.
     assert client.get("/readyz").json() == {"ready": True}
     response = client.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 4})
     assert response.status_code == 200
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
 def test_wrong_method_or_path_is_4xx(client: httpx.Client, method: str) -> None:
     assert 400 <= client.request(method, "/v1/completions").status_code < 500
+    assert 400 <= client.request(method, "/v1/chat/completions").status_code < 500
     assert client.request(method, "/v1/nothing-here").status_code == 404

@@ -6,6 +6,8 @@ and await token events; the engine thread owns the scheduler, the model and the 
 Modules:
 - ``app``: ``POST /v1/completions`` (SSE streaming, stop strings, lanes), ``GET /v1/models``,
   ``/healthz``, ``/readyz``, ``/metrics`` on the serving port.
+- ``chat``: ``POST /v1/chat/completions`` on the model's chat template (``chat_template``: the
+  sandboxed Jinja rendering, ChatML by default).
 - ``generation``: one accepted request from the engine's token events to the client (streamed
   or whole), shared by the OpenAI routes; ``request_body``: strict JSON, errors naming the field.
 - ``admin``: ``GET``/``PUT /admin/window`` on the admin port (bearer token).

@@ -1,7 +1,8 @@
-"""The serving app: OpenAI-compatible completions, models, health, readiness and metrics.
+"""The serving app: OpenAI-compatible completions and chat completions, models, health,
+readiness and metrics.
 
 Handlers validate, submit to ``AsyncEngine`` and await its token events (``generation``); they
-never touch the scheduler. Bodies are read in ``request_body``.
+never touch the scheduler. The chat route lives in ``chat``; bodies are read in ``request_body``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.engine.types import GenerationRequest
+from batchpilot_runtime.server.chat import add_chat_route
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
 from batchpilot_runtime.server.generation import accept, check_model_name, draining_error, ready_model, respond
 from batchpilot_runtime.server.logs import RequestIdMiddleware
@@ -58,6 +60,7 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
 
     _add_probe_routes(app, ctx)
     _add_completion_route(app, ctx)
+    add_chat_route(app, ctx)
     app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
     return app
 

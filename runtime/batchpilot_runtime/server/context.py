@@ -25,7 +25,16 @@ class TextCodec(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
     def eos_token_id(self) -> int | None: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...  # EOS and the other tokens that end a reply
+
+    @property
+    def chat_template(self) -> str | None: ...  # the checkpoint's Jinja chat template
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -1,7 +1,9 @@
-"""Bodies of the OpenAI-compatible completions API, as pydantic models.
+"""Bodies of the OpenAI-compatible completions and chat completions APIs, as pydantic models.
 
-Unknown request fields are ignored (OpenAI clients send fields this server has no use
-for), but a known field with an unsupported value is refused with a message naming it.
+Completions ignore unknown request fields (OpenAI clients send fields this server has no use
+for), but a known field with an unsupported value is refused with a message naming it. Chat
+completions refuse every field they do not implement (a 400 naming it, see ``chat``): a chat
+client that asks for tools, penalties or a JSON format must not get a plain reply as if served.
 """
 
 from __future__ import annotations
@@ -12,6 +14,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_STRING_CHARS = 256
+
+
+def checked_stop_strings(value: str | list[str] | None) -> str | list[str] | None:
+    strings = [value] if isinstance(value, str) else (value or [])
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
+    for text in strings:
+        if not text:
+            raise ValueError("stop strings must not be empty")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+    return value
+
+
+def stop_tuple(value: str | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 class StreamOptions(BaseModel):
@@ -48,20 +68,10 @@ class CompletionRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        strings = [value] if isinstance(value, str) else (value or [])
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
-        for text in strings:
-            if not text:
-                raise ValueError("stop strings must not be empty")
-            if len(text) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
-        return value
+        return checked_stop_strings(value)
 
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return stop_tuple(self.stop)
 
 
 class Usage(BaseModel):
@@ -86,6 +96,87 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; text is the only kind a text model reads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str = Field(max_length=1_000_000)
+
+
+class ChatMessage(BaseModel):
+    """A message of the conversation. A list of text parts is joined with newlines, as vLLM does
+    for templates that expect text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Field(max_length=1_000_000)] | Annotated[list[TextPart], Field(max_length=1024)]
+    name: str | None = Field(default=None, min_length=1, max_length=256, description="Passed to the template.")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``. ``lane`` and ``ignore_eos`` are batchpilot extensions; any
+    other field is refused by name."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str | None = Field(default=None, max_length=256, description="Served model name; checked when given.")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate; by default the rest of the context."
+    )
+    max_tokens: int | None = Field(default=None, ge=1, description="The older name of max_completion_tokens.")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 samples greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Seed of this request's sampler.")
+    stop: str | list[str] | None = Field(default=None, description="Up to 4 strings that end the reply.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
+    lane: str | None = Field(default=None, min_length=1, max_length=64, description="Priority lane (batchpilot).")
+    ignore_eos: bool = Field(
+        default=False, description="Keep generating past the end-of-sequence and end-of-turn tokens (batchpilot)."
+    )
+    user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return checked_stop_strings(value)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return stop_tuple(self.stop)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatCompletionMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole chat completion; streamed, each chunk is a ``chat.completion.chunk`` with a ``delta``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
 
 
 class ModelCard(BaseModel):
