@@ -36,7 +36,7 @@ async def test_watch_that_misses_changes_fails_liveness_until_it_catches_up() ->
         response = await api.post("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles",
                                   json=profile_body("ml", "chat", SPEC))  # fmt: skip
         version = response.json()["metadata"]["resourceVersion"]
-        app = OperatorApp(RunOptions(metrics_port=0, liveness=None), KubeConfig(server=url))
+        app = OperatorApp(RunOptions(metrics_port=0, liveness=None), KubeConfig.for_server(url))
         try:
             app.controller.start_clock()
             # The watch delivered this version: healthy.
@@ -66,7 +66,7 @@ async def test_watch_that_misses_changes_fails_liveness_until_it_catches_up() ->
 
 async def test_stuck_loop_fails_liveness() -> None:
     async with running_cluster() as (_cluster, url):
-        app = OperatorApp(RunOptions(metrics_port=0, liveness=None, stuck_after_s=0.0), KubeConfig(server=url))
+        app = OperatorApp(RunOptions(metrics_port=0, liveness=None, stuck_after_s=0.0), KubeConfig.for_server(url))
         try:
             app.controller.start_clock()
             app.controller.last_tick_finished_s = -math.inf
@@ -99,7 +99,7 @@ async def put_peers(api: httpx.AsyncClient, peers: dict[str, Any]) -> None:
 
 def standby_app(url: str) -> OperatorApp:
     options = RunOptions(metrics_port=0, liveness=None, peering="required", priority=10, watch_check_s=0.0)
-    app = OperatorApp(options, KubeConfig(server=url))
+    app = OperatorApp(options, KubeConfig.for_server(url))
     app.gate.settle_s = 0.0
     app.controller.start_clock()
     return app

@@ -91,8 +91,9 @@ def test_kubeconfig_token_and_ca_data(tmp_path: Path) -> None:
         "users: [{name: u, user: {token: abc}}]\n"
     )
     config = load_kube_config(path)
-    assert (config.server, config.token, config.namespace) == ("https://k:6443", "abc", "ml")
-    assert config.ca_data is not None and "BEGIN CERTIFICATE" in config.ca_data
+    assert (config.server, config.authorization(), config.namespace) == ("https://k:6443", ("Bearer", "abc"), "ml")
+    ca_path = config.configuration.ssl_ca_cert
+    assert ca_path is not None and "BEGIN CERTIFICATE" in Path(ca_path).read_text()
     with pytest.raises(ValueError, match="context 'other' not found"):
         load_kube_config(path, "other")
 

@@ -11,19 +11,20 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import httpx
 import pytest
 
 from batchpilot_operator.api.crd import custom_resource_definition
 from batchpilot_operator.api.profile import ProfileError, parse_spec
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
 from batchpilot_operator.control.status import apply_merge_patch
-from batchpilot_operator.io.kube import KubeClient, KubeConfig
+from batchpilot_operator.io.kube import KubeClient, KubeConfig, KubeError
 from batchpilot_operator.io.push import AdminClient
 from tests.integration.fake_admin import FakeAdminServer
+from tests.integration.kmock_cluster import running_cluster
 from tests.support.crd_validation import validate_object
 from tests.support.factories import make_spec_dict
 
@@ -165,25 +166,27 @@ async def test_a_profile_naming_a_secret_of_another_namespace_reads_and_sends_no
 
 
 async def test_secret_reads_quote_the_path_and_stay_in_the_namespace() -> None:
-    paths: list[str] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        paths.append(request.url.raw_path.decode())
-        return httpx.Response(200, json={"data": {"token": "dG9r"}})
-
-    client = KubeClient(KubeConfig(server="http://kube.invalid"))
-    client._client = httpx.AsyncClient(base_url="http://kube.invalid", transport=httpx.MockTransport(answer))
-    try:
-        assert await client.get_secret_value("team-a", "chat-admin", "token") == "tok"
-        await client.get_secret_value("team-a", "../../team-b/secrets/x", "token")
-        for bad in ("..", ".", ""):
-            with pytest.raises(ValueError, match="is not a name"):
-                await client.get_secret_value("team-a", bad, "token")
-    finally:
-        await client.aclose()
+    async with running_cluster() as (cluster, url):
+        for namespace in ("team-a", "team-b"):
+            cluster.objects["v1/secrets", namespace, "chat-admin"] = {
+                "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-admin", "namespace": namespace},
+                "data": {"token": base64.b64encode(f"{namespace}-tok".encode()).decode()},
+            }  # fmt: skip
+        client = KubeClient(KubeConfig.for_server(url))
+        try:
+            assert await client.get_secret_value("team-a", "chat-admin", "token") == "team-a-tok"
+            with pytest.raises(KubeError) as missing:  # no Secret of that name in team-a, and team-b's unread
+                await client.get_secret_value("team-a", "../../team-b/secrets/chat-admin", "token")
+            assert missing.value.status == 404
+            for bad in ("..", ".", ""):
+                with pytest.raises(ValueError, match="is not a name"):
+                    await client.get_secret_value("team-a", bad, "token")
+        finally:
+            await client.aclose()
+        paths = [request.url.raw_path for request in cluster if "/secrets" in request.url.raw_path]
     assert paths == [
         "/api/v1/namespaces/team-a/secrets/chat-admin",
-        "/api/v1/namespaces/team-a/secrets/..%2F..%2Fteam-b%2Fsecrets%2Fx",
+        "/api/v1/namespaces/team-a/secrets/..%2F..%2Fteam-b%2Fsecrets%2Fchat-admin",
     ]
 
 

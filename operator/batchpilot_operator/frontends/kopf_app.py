@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kopf
 
 from batchpilot_operator import GROUP, PLURAL, VERSION
@@ -155,8 +154,11 @@ class PeeringGate:
 
     async def refresh(self) -> bool:
         self.object_found = False
+        plural = "clusterkopfpeerings" if self.namespace is None else "kopfpeerings"
         try:
-            body = await self.client._request("GET", self._path(), timeout=self.timeout_s)
+            body = await self.client.get_custom_object(
+                "kopf.dev", "v1", plural, self.name, self.namespace, timeout_s=self.timeout_s
+            )
         except KubeError as error:
             if error.status == 404 and self.required:
                 self.active, self.reason = False, f"peering required but {self._path()} is missing: paused, as kopf is"
@@ -164,11 +166,8 @@ class PeeringGate:
             if error.status == 404:
                 self.active, self.reason = True, "no peering object: standalone"
                 return True
+            # Not knowing whether another replica is active (no answer, or an error), this one must not act.
             self.active, self.reason = False, f"peering object unreadable ({error}): paused to be safe"
-            return False
-        except httpx.HTTPError as error:
-            # Not knowing whether another replica is active, this one must not act.
-            self.active, self.reason = False, f"peering object unreadable ({type(error).__name__}): paused to be safe"
             return False
         self.object_found = True
         now = datetime.datetime.now(datetime.UTC)
@@ -332,17 +331,19 @@ class OperatorApp:
 
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> Any:
+            # kopf calls this again after a 401: an expired exec-plugin or service-account token is renewed here.
             config = self.kube_config
+            scheme, token = config.authorization()
+            client = config.configuration
             return kopf.ConnectionInfo(
                 server=config.server,
-                token=config.token,
-                ca_path=config.ca_path,
-                ca_data=config.ca_data,
-                certificate_path=config.cert_path,
-                private_key_path=config.key_path,
-                insecure=config.insecure,
+                scheme=scheme,
+                token=token,
+                ca_path=client.ssl_ca_cert,
+                certificate_path=client.cert_file,
+                private_key_path=client.key_file,
+                insecure=not client.verify_ssl,
                 default_namespace=config.namespace,
-                scheme="Bearer" if config.token else None,
             )
 
     def _register_profiles(self) -> None:
@@ -470,7 +471,7 @@ class OperatorApp:
                 for item in await self.kube.list_profiles(namespace):
                     meta = item.get("metadata") or {}
                     listed[f"{meta.get('namespace')}/{meta.get('name')}"] = str(meta.get("resourceVersion"))
-        except (KubeError, httpx.HTTPError):
+        except KubeError:
             self.metrics.watch_checks.labels("error").inc()
             raise
         behind = {k: v for k, v in listed.items() if self.seen_versions.get(k) != v}
