@@ -153,6 +153,14 @@ def test_lane_by_header_and_body_and_unknown_lane(client: httpx.Client) -> None:
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "model": "some-other-model"}, "model"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+        ({"prompt": "x", "top_k": 40}, "top_k"),
+        ({"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
     ],
 )
 def test_bad_fields_are_named(client: httpx.Client, body: dict[str, object], field: str) -> None:
@@ -161,6 +169,44 @@ def test_bad_fields_are_named(client: httpx.Client, body: dict[str, object], fie
     error = response.json()["error"]
     assert error["param"] == field
     assert field in error["message"]
+
+
+def test_unimplemented_sampling_is_refused_by_name_unless_off(client: httpx.Client) -> None:
+    both = client.post("/v1/completions", json={"prompt": "x", "presence_penalty": 0.5, "min_p": 0.1})
+    assert both.status_code == 400
+    assert both.json()["error"]["message"] == (
+        "presence_penalty: not supported by this runtime (leave it out or send null or 0); "
+        "min_p: not supported by this runtime (leave it out or send null or 0)"
+    )
+    # What LangChain and others send by default means "off", and is served.
+    off = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "top_k": -1, "suffix": None}
+    served = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **off})
+    assert served.status_code == 200, served.text
+
+
+def test_a_batch_of_several_prompts_is_refused_naming_prompt(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": ["a", "b"]})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "prompt: a list of 2 prompts is not supported; send one request per prompt (a string, or a list of token ids)"
+    )
+
+
+@pytest.mark.parametrize(("single", "plain"), [(["Hello"], "Hello"), ([[5, 6, 7]], [5, 6, 7])], ids=["text", "ids"])
+def test_a_batch_of_one_prompt_is_served_as_that_prompt(client: httpx.Client, single: object, plain: object) -> None:
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    batched = client.post("/v1/completions", json={"prompt": single, **body})
+    alone = client.post("/v1/completions", json={"prompt": plain, **body})
+    assert batched.status_code == 200, batched.text
+    assert [(c["index"], c["text"]) for c in batched.json()["choices"]] == [(0, alone.json()["choices"][0]["text"])]
+    assert batched.json()["usage"] == alone.json()["usage"]
+
+
+def test_official_client_gets_a_typed_error_for_several_prompts(runtime: ThreadRuntime) -> None:
+    api = openai.OpenAI(base_url=f"{runtime.serve_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="tiny-test", prompt=["one", "two"], max_tokens=2)
+    assert "prompt: a list of 2 prompts is not supported" in str(refused.value)
 
 
 def test_request_id_is_honoured_or_generated(client: httpx.Client) -> None:
@@ -179,6 +225,17 @@ def test_models_health_and_readiness(client: httpx.Client) -> None:
     assert models["data"][0]["max_model_len"] > 0
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").json() == {"ready": True}
+    # vLLM's /health, which LLM clients check: 200 and an empty body while the engine is alive.
+    health = client.get("/health")
+    assert (health.status_code, health.content) == (200, b"")
+
+
+def test_health_fails_while_the_model_loads(
+    runtime: ThreadRuntime, client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime.ctx, "loaded", None)
+    health = client.get("/health")
+    assert (health.status_code, health.json()) == (503, {"status": "model loading"})
 
 
 def test_openapi_schema_documents_completions(client: httpx.Client) -> None:

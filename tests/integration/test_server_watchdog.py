@@ -74,6 +74,9 @@ def test_a_hung_step_fails_health_with_the_reason_until_it_returns(
             status = health.json()["status"]
             assert status.startswith("engine stalled: no step completed for "), status
             assert status.endswith(" s with 1 request pending (stall timeout 0.5 s)"), status
+            vllm_health = httpx.get(f"{url}/health", timeout=10.0)
+            assert vllm_health.status_code == 503
+            assert vllm_health.json()["status"].startswith("engine stalled: "), vllm_health.json()
             ready = httpx.get(f"{url}/readyz", timeout=10.0)
             assert ready.status_code == 503
             assert ready.json()["reason"].startswith("engine stalled: "), ready.json()
@@ -86,6 +89,7 @@ def test_a_hung_step_fails_health_with_the_reason_until_it_returns(
     assert response.json()["usage"]["completion_tokens"] == 4
     wait_until(lambda: httpx.get(f"{url}/healthz", timeout=10.0).status_code == 200, DEADLINE_S, "/healthz to pass")
     assert httpx.get(f"{url}/readyz", timeout=10.0).json() == {"ready": True}
+    assert httpx.get(f"{url}/health", timeout=10.0).status_code == 200
     assert gauge(url, mn.ENGINE_STALLED) == 0.0
     assert gauge(url, mn.ENGINE_STALL_SECONDS) == 0.0
     logged = [r.getMessage() for r in caplog.records if r.name == "batchpilot.server"]

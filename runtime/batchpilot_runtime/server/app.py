@@ -31,6 +31,8 @@ from batchpilot_runtime.server.openai_schema import (
     ModelCard,
     ModelList,
     Usage,
+    neutral_values,
+    unimplemented_sampling_fields,
 )
 from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
 
@@ -44,10 +46,38 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
         raise ApiError(400, f"body: expected a JSON object, got {type(payload).__name__}", param="body")
     if "prompt" not in payload:
         raise ApiError(400, "prompt: field required", param="prompt")
+    payload["prompt"] = _one_prompt(payload["prompt"])
+    unsupported = unimplemented_sampling_fields(payload)
+    if unsupported:
+        # Served without them, the text would be sampled otherwise than the client asked.
+        raise ApiError(
+            400,
+            "; ".join(f"{name}: not supported by this runtime ({neutral_values(name)})" for name in unsupported),
+            param=unsupported[0],
+        )
     try:
         return CompletionRequest.model_validate(payload)
     except ValidationError as error:
         raise validation_error(error) from None
+
+
+def _one_prompt(prompt: Any) -> Any:
+    """The prompt of a request: a string, a list of token ids, or OpenAI's batch form holding one of
+    them (``["text"]``, ``[[1, 2]]``), which is served as that prompt with the choice at index 0.
+    A batch of several is refused naming ``prompt``: one request per prompt is what the scheduler
+    batches anyway."""
+    if not isinstance(prompt, list) or not any(isinstance(item, str | list) for item in prompt):
+        return prompt  # a string, or token ids: the model checks them
+    if len(prompt) == 1:
+        return prompt[0]
+    if all(isinstance(item, str | list) for item in prompt):
+        raise ApiError(
+            400,
+            f"prompt: a list of {len(prompt)} prompts is not supported; send one request per prompt "
+            "(a string, or a list of token ids)",
+            param="prompt",
+        )
+    raise ApiError(400, "prompt: a list must hold token ids (integers) only, or be one prompt", param="prompt")
 
 
 def create_serving_app(ctx: ServingContext) -> FastAPI:
@@ -66,7 +96,7 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
 
 
 def _add_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
-    """Registers /healthz, /readyz, /metrics and /v1/models."""
+    """Registers /healthz, /health, /readyz, /metrics and /v1/models."""
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -75,6 +105,16 @@ def _add_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
         if reason is not None:
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        """vLLM's, SGLang's and TGI's health path, which LLM clients and benchmarks (guidellm) check
+        first: 200 with an empty body while the engine is alive, as vLLM answers; 503 naming why
+        while the model loads or when the loop died or stalled (vLLM is not listening yet then)."""
+        reason = "model loading" if ctx.loaded is None else ctx.not_live_reason()
+        if reason is not None:
+            return JSONResponse({"status": reason}, status_code=503)
+        return Response(status_code=200)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

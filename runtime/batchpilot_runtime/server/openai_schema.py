@@ -8,7 +8,8 @@ client that asks for tools, penalties or a JSON format must not get a plain repl
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -32,6 +33,55 @@ def stop_tuple(value: str | list[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+# Sampling fields of OpenAI's and vLLM's completions that this runtime does not implement, with the
+# values that mean "off". A client that sends an off value (LangChain sends presence_penalty: 0 and
+# logit_bias: {} by default) is served; any other value is refused naming the field, since the text
+# would otherwise be sampled differently from what was asked and nothing would say so.
+UNIMPLEMENTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "suffix": (None, ""),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "response_format": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def _is_off(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # A bool is an int in Python: true must not pass for a repetition_penalty of 1, nor 0 for false.
+    if isinstance(value, bool):
+        return any(value is off for off in neutral)
+    return any(value == off and not isinstance(off, bool) for off in neutral)
+
+
+def unimplemented_sampling_fields(payload: dict[str, Any]) -> list[str]:
+    """The fields of a completion body that ask for sampling this runtime does not implement."""
+    return [
+        name
+        for name, neutral in UNIMPLEMENTED_SAMPLING.items()
+        if name in payload and not _is_off(payload[name], neutral)
+    ]
+
+
+def neutral_values(name: str) -> str:
+    """What a refused sampling field may hold instead, for the error message."""
+    shown = " or ".join(json.dumps(value) for value in UNIMPLEMENTED_SAMPLING[name])
+    return f"leave it out or send {shown}"
 
 
 class StreamOptions(BaseModel):
