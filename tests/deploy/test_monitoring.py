@@ -96,6 +96,29 @@ def test_every_alert_has_a_firing_and_a_silent_case() -> None:
     assert silent == alerts, f"no silent case for {sorted(alerts - silent)}"
 
 
+RUNBOOKS = DEPLOY.parent / "docs" / "runbooks.md"
+RUNBOOK_BASE = "https://github.com/batchpilot/batchpilot/blob/main/docs/runbooks.md#"
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as dashes."""
+    kept = "".join(c for c in heading.strip().lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def test_every_alert_links_a_runbook_section_that_exists() -> None:
+    headings = [line.lstrip("#").strip() for line in RUNBOOKS.read_text().splitlines() if line.startswith("## ")]
+    anchors = {_github_anchor(heading) for heading in headings}
+    alerts = [rule for rule in _rules() if "alert" in rule]
+    assert alerts
+    for rule in alerts:
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.startswith(RUNBOOK_BASE), (rule["alert"], url)
+        assert url.removeprefix(RUNBOOK_BASE) in anchors, (rule["alert"], url, sorted(anchors))
+    # One section per alert, and none for an alert that is gone.
+    assert sorted(headings) == sorted(rule["alert"] for rule in alerts)
+
+
 def test_alerts_are_documented() -> None:
     for rule in _rules():
         if "alert" in rule:
