@@ -169,7 +169,10 @@ def test_f32_file_loads_bitwise_and_gives_the_same_logits(tmp_path: Path, config
     assert torch.equal(loaded.forward_dense(prompt), model.forward_dense(prompt))
 
 
-@pytest.mark.parametrize(("qtype", "levels"), [("F16", 2**11), ("Q8_0", 127), ("Q4_1", 15)])
+@pytest.mark.parametrize(
+    ("qtype", "levels"),
+    [("F16", 2**11), ("BF16", 2**8), ("Q8_0", 127), ("Q5_1", 31), ("Q5_0", 15), ("Q4_1", 15), ("Q4_0", 7)],
+)
 def test_quantized_tensors_dequantize_to_the_weights_within_a_step(tmp_path: Path, qtype: str, levels: int) -> None:
     # a wrong Q/K order or layout would be off by the weights' own size, not by one quantization step
     model = LlamaModel.random(GQA, seed=5)
