@@ -4,6 +4,7 @@ lanes, and refusals that name the field; plus how a request's stops are chosen."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -262,6 +263,31 @@ def test_openapi_schema_lists_the_chat_route(client: httpx.Client) -> None:
     assert {"messages", "max_completion_tokens", "max_tokens", "stop", "stream", "seed"} <= set(body["properties"])
     assert body["additionalProperties"] is False
     assert "400" in operation["responses"]
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadRuntime]:
+    """One running sequence and two queued: a burst overflows it."""
+    with runtime_thread(
+        tmp_path_factory.mktemp("chat-narrow"), max_queue=2, target_batch_size=1, hard_cap=1, max_wait_ms=0
+    ) as started:
+        yield started
+
+
+async def test_a_full_queue_is_a_429_with_retry_after(narrow: ThreadRuntime) -> None:
+    # Each reply takes 64 decode steps, so the burst arrives long before the first one ends.
+    body = {"messages": MESSAGES, "max_tokens": 64, "temperature": 0, **FIXED_LENGTH}
+    async with httpx.AsyncClient(base_url=narrow.serve_url, timeout=120.0) as http:
+        responses = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(8)))
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused, [r.status_code for r in responses]
+    assert {r.status_code for r in responses} == {200, 429}
+    for response in refused:
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["type"] == "rate_limit_exceeded"
+    for response in responses:
+        if response.status_code == 200:
+            assert response.json()["usage"]["completion_tokens"] == 64
 
 
 # -- which stops a request gets -----------------------------------------------------------------
