@@ -1,4 +1,7 @@
-"""``batchpilot-operator run`` and ``batchpilot-operator local`` (their modules load only when run)."""
+"""``batchpilot-operator run`` and ``batchpilot-operator local`` (their modules load only when run).
+
+Each of their flags can also be set as ``BATCHPILOT_<FLAG>`` (see :mod:`batchpilot_operator.cli.env`).
+"""
 
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ def _register_local(subparsers: Any) -> None:
     parser.add_argument("--output", choices=("text", "json"), default="text",
                         help="decisions as text lines, or one JSON object per line (for programs)")  # fmt: skip
     parser.set_defaults(handler=_cmd_local)
+    parser.defaults_from_environment()
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
@@ -81,8 +85,9 @@ def _register_run(subparsers: Any) -> None:
     parser.add_argument("--resync", type=float, default=0.0,
                         help="least seconds between two read-backs of a pod known to be in sync (0: every interval, "
                              "fully level-triggered; raise it to cut admin calls at thousands of pods)")  # fmt: skip
-    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.set_defaults(handler=_cmd_run)
+    parser.defaults_from_environment()
 
 
 def _labels(items: list[str]) -> dict[str, str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from batchpilot_operator import __version__
+from batchpilot_operator.cli.env import EnvParser
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -67,7 +68,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # EnvParser: `run` and `local` let each flag fall back to BATCHPILOT_<FLAG> (cli/env.py).
+    parser = EnvParser(
         prog="batchpilot-operator",
         description="Keep every LLM model's batching window tuned to its live load.",
     )
