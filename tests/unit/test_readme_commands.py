@@ -1,7 +1,9 @@
 """Every command in the README runs as written.
 
 Fenced blocks are tagged by what they need:
-- ```bash            run here, as written, from the project root (the venv's bin first on PATH);
+- ```bash            run here, as written, from the project root (the venv's bin first on PATH), with
+                     no variable a reader would not have; what a command writes (crd.yaml,
+                     token.txt) lands in a temporary copy of the root, not in the repository;
 - ```bash long       the main jobs (the demo, full benchmarks): too long for a test, so each command's
                      entry point is resolved and its arguments parsed by the real argparse parser;
 - ```bash cluster    needs a Kubernetes cluster: only checked to name known tools.
@@ -44,14 +46,36 @@ def test_the_readme_opens_with_the_two_commands() -> None:
     assert lines == ["make demo", "make test"]
 
 
+def _reader_root(tmp_path: Path) -> Path:
+    """A folder that reads as the project root (each top-level entry a symlink to the real one), so
+    that a command reads ``deploy/examples/`` as written and what it writes stays out of the tree."""
+    root = tmp_path / "batchpilot"
+    root.mkdir()
+    for entry in ROOT.iterdir():
+        (root / entry.name).symlink_to(entry)
+    return root
+
+
+def test_commands_need_no_variable_of_the_test_harness() -> None:
+    # A reader has no BATCHPILOT_README_TMP: unset, "$BATCHPILOT_README_TMP/crd.yaml" writes /crd.yaml.
+    assert "$BATCHPILOT_" not in "\n".join(_commands("bash") + _commands("bash long"))
+
+
+def test_files_a_long_command_reads_are_made_by_a_command_before_it() -> None:
+    made = {m for command in _commands("bash") for m in re.findall(r">\s*(\S+)$", command)}
+    for command in _commands("bash long"):
+        for path in re.findall(r"(?:--admin-token-file |token-file=)(\S+?)(?:,|\s|$)", command):
+            assert path in made, f"{command}: nothing in the README creates {path}"
+
+
 @pytest.mark.parametrize("command", _commands("bash"))
 def test_runnable_commands_succeed(command: str, tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["BATCHPILOT_README_TMP"] = str(tmp_path)
+    env.pop("BATCHPILOT_README_TMP", None)
     result = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", command],
-        cwd=ROOT,
+        cwd=_reader_root(tmp_path),
         env=env,
         capture_output=True,
         text=True,
