@@ -184,6 +184,8 @@ def test_official_client_is_refused_two_choices(api: openai.OpenAI) -> None:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"presence_penalty": False}, "presence_penalty"),
+        ({"top_k": 40}, "top_k"),
+        ({"store": True}, "store"),
     ],
 )
 def test_a_field_the_runtime_does_not_implement_is_refused_by_name(
@@ -194,10 +196,20 @@ def test_a_field_the_runtime_does_not_implement_is_refused_by_name(
     error = cast(dict[str, Any], refused.value.body)
     assert error["param"] == field
     assert error["message"].startswith(f"{field}: ")
+    if field != "surprise":
+        assert "leave it out" in error["message"]
 
 
 @pytest.mark.parametrize(
-    "neutral", [{"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"logprobs": False}, {"tools": None}]
+    "neutral",
+    [
+        {"presence_penalty": 0},
+        {"frequency_penalty": 0.0},
+        {"logprobs": False},
+        {"tools": None},
+        {"response_format": {"type": "text"}},
+        {"top_k": -1},
+    ],
 )
 def test_a_value_that_asks_for_nothing_is_served(client: httpx.Client, neutral: dict[str, Any]) -> None:
     assert (

@@ -7,8 +7,10 @@ stop string), at a client's ``stop`` string (not returned, as OpenAI does), or a
 ``finish_reason`` "stop" or "length". Lanes, streaming, usage and the refusals (429 with
 Retry-After, 503 while draining) are those of ``/v1/completions`` (``generation``).
 
-Every request field the runtime does not implement is refused with a 400 naming it (an explicit
-null, and the neutral value where one exists, are accepted: they ask for nothing).
+Every request field the runtime does not implement is refused with a 400 naming it; a field it
+knows but does not implement (``UNIMPLEMENTED_CHAT_FIELDS``: penalties, tools, log probabilities,
+output formats) is accepted when null or off (``presence_penalty: 0``, ``logprobs: false``), since
+that asks for nothing; completions refuse the same sampling fields the same way.
 """
 
 from __future__ import annotations
@@ -29,48 +31,46 @@ from batchpilot_runtime.server.chat_template import ChatTemplate, ChatTemplateEr
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
 from batchpilot_runtime.server.generation import accept, check_model_name, draining_error, ready_model, respond
 from batchpilot_runtime.server.openai_schema import (
+    UNIMPLEMENTED_SAMPLING,
     ChatCompletionChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ErrorResponse,
     Usage,
+    neutral_values,
+    unimplemented_sampling_fields,
 )
 from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
 
 CHAT_PATH = "/v1/chat/completions"
 
 
-# OpenAI chat fields this runtime does not implement -> the values that ask for nothing (accepted).
-UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
-    "functions": ([],),
-    "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-    "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
-    "reasoning_effort": (),
-    "verbosity": (),
-    "web_search_options": (),
-    "metadata": (),
-    "store": (False,),
-    "service_tier": (),
-    "prompt_cache_key": (),
-    "safety_identifier": (),
+# The fields of a chat body this runtime does not implement, with the values that mean "off": the
+# sampling fields completions refuse too, and the chat API's own (tools, log probabilities, output
+# formats and modalities, stored completions).
+UNIMPLEMENTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    **UNIMPLEMENTED_SAMPLING,
+    "response_format": (None, {"type": "text"}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "metadata": (None,),
+    "store": (None, False),
+    "service_tier": (None,),
+    "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
 }
-
-
-def _asks_nothing(name: str, value: object) -> bool:
-    # By type as well as value: ``false`` is not a penalty of 0.
-    return any(type(value) is type(neutral) and value == neutral for neutral in UNSUPPORTED_FIELDS[name])
 
 
 def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
@@ -79,19 +79,24 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
     if not isinstance(payload, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(payload).__name__}", param="body")
     known = ChatCompletionRequest.model_fields
-    for name, value in payload.items():
-        if name in known or value is None:
-            continue
-        if name in UNSUPPORTED_FIELDS:
-            if not _asks_nothing(name, value):
-                raise ApiError(400, f"{name}: not supported by this runtime", param=name)
-        else:
-            raise ApiError(400, f"{name}: unknown field; this runtime does not implement it", param=name)
+    unknown = [name for name in payload if name not in known and name not in UNIMPLEMENTED_CHAT_FIELDS]
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field; this runtime does not implement it", param=unknown[0])
+    unsupported = unimplemented_sampling_fields(payload, UNIMPLEMENTED_CHAT_FIELDS)
+    if unsupported:
+        # Served without them, the reply would not be what the client asked for, and nothing would say so.
+        raise ApiError(
+            400,
+            "; ".join(
+                f"{name}: not supported by this runtime ({neutral_values(name, UNIMPLEMENTED_CHAT_FIELDS)})"
+                for name in unsupported
+            ),
+            param=unsupported[0],
+        )
     if "messages" not in payload:
         raise ApiError(400, "messages: field required", param="messages")
-    fields = {name: value for name, value in payload.items() if name in known}
     try:
-        body = ChatCompletionRequest.model_validate(fields)
+        body = ChatCompletionRequest.model_validate({name: value for name, value in payload.items() if name in known})
     except ValidationError as error:
         raise validation_error(error) from None
     if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):

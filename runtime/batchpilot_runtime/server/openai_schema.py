@@ -9,6 +9,7 @@ client that asks for tools, penalties or a JSON format must not get a plain repl
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -69,18 +70,17 @@ def _is_off(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(value == off and not isinstance(off, bool) for off in neutral)
 
 
-def unimplemented_sampling_fields(payload: dict[str, Any]) -> list[str]:
-    """The fields of a completion body that ask for sampling this runtime does not implement."""
-    return [
-        name
-        for name, neutral in UNIMPLEMENTED_SAMPLING.items()
-        if name in payload and not _is_off(payload[name], neutral)
-    ]
+def unimplemented_sampling_fields(
+    payload: dict[str, Any], table: Mapping[str, tuple[Any, ...]] = UNIMPLEMENTED_SAMPLING
+) -> list[str]:
+    """The fields of a body that ask for what this runtime does not implement (by default the
+    sampling fields of a completion; the chat route passes its own, larger table)."""
+    return [name for name, neutral in table.items() if name in payload and not _is_off(payload[name], neutral)]
 
 
-def neutral_values(name: str) -> str:
-    """What a refused sampling field may hold instead, for the error message."""
-    shown = " or ".join(json.dumps(value) for value in UNIMPLEMENTED_SAMPLING[name])
+def neutral_values(name: str, table: Mapping[str, tuple[Any, ...]] = UNIMPLEMENTED_SAMPLING) -> str:
+    """What a refused field may hold instead, for the error message."""
+    shown = " or ".join(json.dumps(value) for value in table[name])
     return f"leave it out or send {shown}"
 
 
