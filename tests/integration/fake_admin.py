@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from batchpilot_runtime.contract.admin_api import AdminError, PodCapacity, WindowState, WindowUpdate
 from batchpilot_runtime.contract.window import Window
+from tests.support.factories import make_window
 
 ROOT_POD = "_"
 
@@ -72,7 +73,7 @@ def render_metrics(model: str, latency_s: float, requests: int) -> str:
 def make_state(model: str, *, max_hard_cap: int = 512, window: Window | None = None) -> WindowState:
     return WindowState(
         model=model,
-        window=window or Window(target_batch_size=4, hard_cap=8, max_wait_ms=10, tail_mark_ratio=2.0, generation=0),
+        window=window or make_window(target=4, cap=8, wait_ms=10),
         lanes=[],
         capacity=PodCapacity(kv_cache_tokens=65536, kv_block_size=16, max_hard_cap=max_hard_cap, max_model_len=2048),
         batching="continuous",

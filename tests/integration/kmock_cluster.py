@@ -36,7 +36,8 @@ import attrs
 import kmock
 from kmock._internal import dicts, rendering
 
-from batchpilot_operator import API_VERSION, GROUP, KIND, PLURAL, SINGULAR, VERSION
+from batchpilot_operator import GROUP, KIND, PLURAL, SINGULAR, VERSION
+from tests.support.factories import make_manifest
 
 PROFILES = f"{GROUP}/{VERSION}/{PLURAL}"
 PODS = "v1/pods"
@@ -238,8 +239,7 @@ class KubeCluster(kmock.KubernetesEmulator):
 
 
 def profile_body(namespace: str, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-            "spec": dict(spec)}  # fmt: skip
+    return make_manifest(spec, name=name, namespace=namespace)
 
 
 def pod_body(namespace: str, name: str, labels: Mapping[str, str], ip: str, *, ready: bool) -> dict[str, Any]:

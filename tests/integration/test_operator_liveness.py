@@ -15,13 +15,9 @@ import pytest
 from batchpilot_operator.frontends.kopf_app import OperatorApp, RunOptions
 from batchpilot_operator.io.kube import KubeConfig
 from tests.integration.kmock_cluster import PROFILES, OperatorProcess, profile_body, running_cluster, wait_for
+from tests.support.factories import make_spec_dict
 
-SPEC = {
-    "model": "chat",
-    "selector": {"matchLabels": {"app": "chat"}},
-    "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-    "slo": {"p99Ms": 500},
-}
+SPEC = make_spec_dict(tuning=None)
 
 
 def probe(app: OperatorApp) -> Any:

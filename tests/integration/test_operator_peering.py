@@ -20,6 +20,7 @@ from tests.integration.kmock_cluster import (
     running_cluster,
     wait_for,
 )
+from tests.support.factories import make_spec_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -48,13 +49,7 @@ async def test_only_the_highest_priority_replica_is_active(pod: tuple[FakeAdminS
         assert (await api.post("/apis/kopf.dev/v1/clusterkopfpeerings", json=peering)).status_code == 200
         body = pod_body("ml", "chat-0", {"app": "chat"}, "127.0.0.4", ready=True)
         assert (await api.post("/api/v1/namespaces/ml/pods", json=body)).status_code == 200
-        spec = {
-            "model": "chat",
-            "selector": {"matchLabels": {"app": "chat"}},
-            "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-            "slo": {"p99Ms": 500},
-            "runtime": {"adminPort": port},
-        }
+        spec = make_spec_dict(tuning=None, runtime={"adminPort": port})
         profile = profile_body("ml", "chat", spec)
         assert (await api.post("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles", json=profile)).is_success
         # A peering lifetime well above a starved machine's scheduling hiccups: with 4 s the active
@@ -129,13 +124,7 @@ async def test_standby_stays_live_through_idle_profiles_and_takes_over(
         body = pod_body("ml", "chat-0", {"app": "chat"}, "127.0.0.4", ready=True)
         assert (await api.post("/api/v1/namespaces/ml/pods", json=body)).status_code == 200
         for name, model in (("chat", "chat"), ("idle", "idle")):
-            spec = {
-                "model": model,
-                "selector": {"matchLabels": {"app": model}},
-                "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-                "slo": {"p99Ms": 500},
-                "runtime": {"adminPort": port},
-            }
+            spec = make_spec_dict(model, tuning=None, runtime={"adminPort": port})
             response = await api.post(PROFILES_PATH, json=profile_body("ml", name, spec))
             assert response.is_success, response.text
         options = {

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchpilot_runtime.contract import metric_names as mn
 from batchpilot_runtime.contract.admin_api import AdminError, WindowState
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
+from tests.support.factories import make_window_dict
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +29,9 @@ def admin(runtime: ThreadRuntime) -> Iterator[httpx.Client]:
         yield http
 
 
-def _window(generation: int, target: int = 4, cap: int = 8, wait_ms: int = 5, ratio: float = 2.0) -> dict[str, Any]:
-    return {
-        "window": {
-            "targetBatchSize": target,
-            "hardCap": cap,
-            "maxWaitMs": wait_ms,
-            "tailMarkRatio": ratio,
-            "generation": generation,
-        }
-    }
+def _update(**window: Any) -> dict[str, Any]:
+    """A PUT /admin/window body: the shared window with ``window``'s changes, not validated here."""
+    return {"window": make_window_dict(**window)}
 
 
 def _gauges(serve_url: str) -> dict[str, float]:
@@ -71,7 +65,7 @@ def test_get_window_reports_window_and_capacity(admin: httpx.Client, auth: dict[
 )
 def test_put_without_valid_token_is_401(admin: httpx.Client, auth: dict[str, str], headers: dict[str, str]) -> None:
     before = _in_force(admin, auth).window
-    response = admin.put("/admin/window", json=_window(before.generation + 1), headers=headers)
+    response = admin.put("/admin/window", json=_update(generation=before.generation + 1), headers=headers)
     assert response.status_code == 401
     refusal = AdminError.model_validate(response.json())
     assert refusal.error == "unauthorized" and refusal.window_in_force is None
@@ -98,12 +92,15 @@ def test_get_without_valid_token_is_401_and_tells_nothing(
 @pytest.mark.parametrize(
     ("body", "named"),
     [
-        (_window(50, target=16, cap=8), "hardCap"),
-        (_window(50, ratio=1.0), "tailMarkRatio"),
-        (_window(50, wait_ms=-1), "maxWaitMs"),
+        (_update(generation=50, target=16, cap=8), "hardCap"),
+        (_update(generation=50, ratio=1.0), "tailMarkRatio"),
+        (_update(generation=50, wait_ms=-1), "maxWaitMs"),
         ({"window": {"targetBatchSize": 2, "hardCap": 4, "generation": 50}}, "maxWaitMs"),
-        (_window(50, target=8, cap=4000), "hardCap"),  # over what 2048 KV tokens can hold: the engine refuses
-        ({"window": _window(50)["window"], "surprise": 1}, "surprise"),
+        (
+            _update(generation=50, target=8, cap=4000),
+            "hardCap",
+        ),  # over what 2048 KV tokens can hold: the engine refuses
+        ({**_update(generation=50), "surprise": 1}, "surprise"),
     ],
 )
 def test_invalid_window_is_422_with_the_reason(
@@ -127,7 +124,9 @@ def test_update_then_stale_generation_then_gauges(runtime: ThreadRuntime, admin:
     generation = _in_force(admin, runtime.auth_headers()).window.generation + 10
     # 200: the applied window comes back, and the gauges follow.
     applied = admin.put(
-        "/admin/window", json=_window(generation, target=3, cap=6, wait_ms=40), headers=runtime.auth_headers()
+        "/admin/window",
+        json=_update(generation=generation, target=3, cap=6, wait_ms=40),
+        headers=runtime.auth_headers(),
     )
     assert applied.status_code == 200
     state = WindowState.model_validate(applied.json())
@@ -140,11 +139,13 @@ def test_update_then_stale_generation_then_gauges(runtime: ThreadRuntime, admin:
     }
     # The same update again is idempotent (a retried push).
     again = admin.put(
-        "/admin/window", json=_window(generation, target=3, cap=6, wait_ms=40), headers=runtime.auth_headers()
+        "/admin/window",
+        json=_update(generation=generation, target=3, cap=6, wait_ms=40),
+        headers=runtime.auth_headers(),
     )
     assert again.status_code == 200
     # 409: an older generation, or the same generation with other values.
-    for body in (_window(generation - 1, target=2, cap=4), _window(generation, target=2, cap=4)):
+    for body in (_update(generation=generation - 1, target=2, cap=4), _update(generation=generation, target=2, cap=4)):
         stale = admin.put("/admin/window", json=body, headers=runtime.auth_headers())
         assert stale.status_code == 409
         refusal = AdminError.model_validate(stale.json())

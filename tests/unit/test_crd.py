@@ -7,6 +7,7 @@ import yaml
 
 from batchpilot_operator.api.crd import custom_resource_definition, render_crd
 from tests.support.crd_validation import cel_errors, validate_object
+from tests.support.factories import make_manifest, make_spec_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = [
@@ -71,15 +72,9 @@ def test_crd_shape() -> None:
     assert columns == ["Model", "Target", "Cap", "Wait", "P99", "SLO", "Synced", "Mode", "Age"]
 
 
-def make_profile(**spec_overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": "m",
-        "selector": {"matchLabels": {"app": "m"}},
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
-        "slo": {"p99Ms": 800},
-    }
-    spec.update(spec_overrides)
-    return {"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchProfile", "metadata": {"name": "p"}, "spec": spec}
+def make_profile(**sections: Any) -> dict[str, Any]:
+    """A minimal profile as a user writes it: the shared spec without a tuning section."""
+    return make_manifest(make_spec_dict(**{"tuning": None, **sections}))
 
 
 def test_target_above_cap_is_refused_by_cel_naming_both_fields() -> None:

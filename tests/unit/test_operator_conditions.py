@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.api.profile import parse_spec
 from batchpilot_operator.control.conditions import (
     PodFailure,
     SyncView,
@@ -19,6 +18,7 @@ from batchpilot_operator.control.conditions import (
 from batchpilot_operator.control.status import FALSE, TRUE, UNKNOWN, ConditionFact
 from batchpilot_operator.io.push import CONFLICT, ERROR, REFUSED, UNAUTHORIZED
 from batchpilot_operator.tuning.observations import Observations
+from tests.support.factories import make_spec
 
 # A refusal is an outcome, whatever its text says: a failure whose detail reads "refused" is still a failure.
 REFUSAL = PodFailure(REFUSED, "HTTP 422: hardCap 64 over capacity")
@@ -163,17 +163,6 @@ def test_metrics_available(
     assert fact == expected
 
 
-def make_spec(**slo: Any) -> Any:
-    return parse_spec(
-        {
-            "model": "chat",
-            "selector": {"matchLabels": {"app": "chat"}},
-            "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-            "slo": slo,
-        }
-    )
-
-
 @pytest.mark.parametrize(
     ("slo", "obs", "status", "reason"),
     [
@@ -184,7 +173,7 @@ def make_spec(**slo: Any) -> Any:
     ],
 )
 def test_slo_met(slo: dict[str, Any], obs: Observations | None, status: str, reason: str) -> None:
-    fact = slo_fact(make_spec(**slo), obs)
+    fact = slo_fact(make_spec(slo=slo), obs)
     assert (fact.status, fact.reason) == (status, reason)
 
 

@@ -15,18 +15,7 @@ from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, MetricsU
 from batchpilot_operator.io.push import AdminClient
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from tests.integration.fake_admin import FakeAdminServer, closed_port_url
-
-
-def make_spec(model: str = "chat", **overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": model,
-        "selector": {"matchLabels": {"app": model}},
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40},
-        "slo": {"p99Ms": 500},
-        "tuning": {"cooldownSeconds": 0},
-    }
-    spec.update(overrides)
-    return spec
+from tests.support.factories import make_spec_dict
 
 
 class MemorySink:
@@ -136,7 +125,7 @@ async def h() -> AsyncIterator[Harness]:
 async def test_new_profile_pushes_spec_window_and_reports_synced(h: Harness) -> None:
     h.add_pod("0")
     h.add_pod("1")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     await h.tick()
     for pod in ("0", "1"):
         assert h.fake.pods[pod].state.window.hard_cap == 16
@@ -148,7 +137,7 @@ async def test_new_profile_pushes_spec_window_and_reports_synced(h: Harness) -> 
 
 async def test_slo_miss_lowers_the_window_and_lands_in_status_and_events(h: Harness) -> None:
     h.add_pod("0")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     h.source.latency_s["chat"] = 2.0  # 4x the SLO
     await h.tick()
     window = h.status()["window"]
@@ -161,7 +150,7 @@ async def test_slo_miss_lowers_the_window_and_lands_in_status_and_events(h: Harn
 
 async def test_an_slo_of_gaps_alone_is_judged_and_tuned_by_the_gaps(h: Harness) -> None:
     h.add_pod("0")
-    spec = make_spec(
+    spec = make_spec_dict(
         window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40, "maxPrefillTokens": 2048},
         slo={"interTokenP99Ms": 50},
     )
@@ -181,7 +170,7 @@ async def test_an_slo_of_gaps_alone_is_judged_and_tuned_by_the_gaps(h: Harness) 
 
 async def test_prometheus_unreachable_holds_and_reports_then_recovers(h: Harness) -> None:
     h.add_pod("0")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     await h.tick()
     h.source.error = "Prometheus at http://prom:9090 failed: connection refused"
     h.source.latency_s["chat"] = 2.0
@@ -199,8 +188,8 @@ async def test_prometheus_unreachable_holds_and_reports_then_recovers(h: Harness
 async def test_no_data_for_one_profile_leaves_the_others_deciding(h: Harness) -> None:
     h.add_pod("0", "chat")
     h.add_pod("1", "batch")
-    h.controller.upsert_profile("ml", "chat", make_spec("chat"), generation=1)
-    h.controller.upsert_profile("ml", "batch", make_spec("batch"), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict("chat"), generation=1)
+    h.controller.upsert_profile("ml", "batch", make_spec_dict("batch"), generation=1)
     h.source.latency_s["batch"] = 3.0  # chat: no series at all
     await h.tick()
     assert h.condition("MetricsAvailable", "chat")["status"] == "False"
@@ -210,7 +199,7 @@ async def test_no_data_for_one_profile_leaves_the_others_deciding(h: Harness) ->
 
 async def test_restarted_pod_gets_the_current_window_within_one_interval(h: Harness) -> None:
     h.add_pod("0")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     h.source.latency_s["chat"] = 2.0
     await h.tick()
     generation = h.fake.pods["0"].state.window.generation
@@ -225,7 +214,7 @@ async def test_failed_push_is_visible_and_does_not_block_other_pods(h: Harness) 
     h.fake.add_pod("flaky", model="chat")
     h.fake.pods["flaky"].fail_next = 100
     h.add_pod("flaky")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     await h.tick()
     assert h.fake.pods["0"].state.window.generation == 1
     synced = h.condition("Synced")
@@ -240,7 +229,7 @@ async def test_failed_push_is_visible_and_does_not_block_other_pods(h: Harness) 
 
 async def test_status_patch_failure_loses_no_field(h: Harness) -> None:
     h.add_pod("0")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     h.sink.fail_patches = 1
     await h.tick()
     assert "ml/chat" not in h.sink.status
@@ -259,7 +248,7 @@ async def test_status_patch_failure_loses_no_field(h: Harness) -> None:
 
 async def test_invalid_profile_is_reported_naming_the_field_and_nothing_is_pushed(h: Harness) -> None:
     h.add_pod("0")
-    bad = make_spec(window={"targetBatchSize": 64, "hardCap": 16, "maxWaitMs": 40})
+    bad = make_spec_dict(window={"targetBatchSize": 64, "hardCap": 16, "maxWaitMs": 40})
     h.controller.upsert_profile("ml", "chat", bad, generation=3)
     await h.tick()
     await h.tick()
@@ -272,7 +261,7 @@ async def test_invalid_profile_is_reported_naming_the_field_and_nothing_is_pushe
 
 async def test_window_over_pod_capacity_is_clamped(h: Harness) -> None:
     h.add_pod("0")  # capacity 64
-    spec = make_spec(window={"targetBatchSize": 100, "hardCap": 128, "maxWaitMs": 40})
+    spec = make_spec_dict(window={"targetBatchSize": 100, "hardCap": 128, "maxWaitMs": 40})
     h.controller.upsert_profile("ml", "chat", spec, generation=1)
     await h.tick()
     assert h.fake.pods["0"].state.window.hard_cap == 64
@@ -283,7 +272,7 @@ async def test_window_over_pod_capacity_is_clamped(h: Harness) -> None:
 async def test_refused_window_is_never_retried_forever(h: Harness) -> None:
     h.add_pod("0")
     h.fake.pods["0"].refuse_all = "tailMarkRatio not supported"
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     for _ in range(5):
         await h.tick()
     assert h.condition("Synced")["reason"] == "PushRefused"
@@ -295,7 +284,7 @@ async def test_pod_with_newer_generation_is_overtaken(h: Harness) -> None:
     h.fake.pods["0"].state = h.fake.pods["0"].state.model_copy(
         update={"window": h.fake.pods["0"].state.window.with_generation(41)}
     )
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     await h.tick()
     assert h.fake.pods["0"].state.window.generation == 42
     assert h.fake.pods["0"].state.window.hard_cap == 16
@@ -303,7 +292,7 @@ async def test_pod_with_newer_generation_is_overtaken(h: Harness) -> None:
 
 async def test_recommend_mode_never_pushes(h: Harness) -> None:
     h.add_pod("0")
-    spec = make_spec(tuning={"mode": "recommend", "cooldownSeconds": 0})
+    spec = make_spec_dict(tuning={"mode": "recommend", "cooldownSeconds": 0})
     h.controller.upsert_profile("ml", "chat", spec, generation=1)
     h.source.latency_s["chat"] = 2.0
     await h.tick()
@@ -314,7 +303,7 @@ async def test_recommend_mode_never_pushes(h: Harness) -> None:
 
 async def test_unchanged_status_is_not_patched(h: Harness) -> None:
     h.add_pod("0")
-    h.controller.upsert_profile("ml", "chat", make_spec(), generation=1)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
     await h.tick()
     await h.tick()
     patches = h.sink.patches
@@ -326,7 +315,7 @@ async def test_unchanged_status_is_not_patched(h: Harness) -> None:
 async def test_one_collection_per_interval_for_all_profiles(h: Harness) -> None:
     for i in range(20):
         h.add_pod(str(i), f"m{i}")
-        h.controller.upsert_profile("ml", f"p{i}", make_spec(f"m{i}"), generation=1)
+        h.controller.upsert_profile("ml", f"p{i}", make_spec_dict(f"m{i}"), generation=1)
     await h.tick()
     await h.tick()
     assert h.source.calls == 2

@@ -16,6 +16,7 @@ from batchpilot_operator.io.push import AdminClient, PodTarget, PushResult
 from batchpilot_runtime.contract.admin_api import LaneWindow
 from batchpilot_runtime.contract.window import Window
 from tests.integration.fake_admin import FakeAdminServer
+from tests.support.factories import make_spec_dict
 
 
 class BuggyAdmin(AdminClient):
@@ -47,9 +48,7 @@ class Env:
             self.controller.upsert_pod(
                 PodRecord("local", f"{model}-0", ready=True, admin_url=fake.admin_url(model), model=model, uid=model)
             )
-            spec = {"model": model, "selector": {"matchLabels": {"app": model}},
-                    "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40}, "slo": {"p99Ms": 500}}  # fmt: skip
-            self.controller.upsert_profile("local", model, spec, generation=1)
+            self.controller.upsert_profile("local", model, make_spec_dict(model, tuning=None), generation=1)
 
     async def tick(self) -> None:
         """One tick of the next interval (every profile due)."""

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from batchpilot_operator.api.profile import BatchProfileSpec, parse_spec
+from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.observations import NAN, Observations, histogram_quantile, is_saturated
 from batchpilot_operator.tuning.policy import (
     DEFAULT_CONFIG,
@@ -22,48 +22,14 @@ from batchpilot_operator.tuning.policy import (
 )
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
+from tests.support.factories import make_observations, make_policy_spec, make_window
 
-
-def make_spec(**overrides: Any) -> BatchProfileSpec:
-    spec: dict[str, Any] = {
-        "model": "m",
-        "selector": {"matchLabels": {"app": "m"}},
-        "batchFriendliness": "high",
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
-        "slo": {"p99Ms": 1000},
-        "tuning": {"intervalSeconds": 15, "cooldownSeconds": 30, "maxStepFraction": 0.5},
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
-        else:
-            spec[key] = value
-    return parse_spec(spec)
-
-
-def make_obs(p99_s: float = 0.5, **others: Any) -> Observations:
-    base: dict[str, Any] = {
-        "p50_s": p99_s / 3 if math.isfinite(p99_s) else NAN,
-        "p99_s": p99_s,
-        "p999_s": p99_s * 1.2 if math.isfinite(p99_s) else NAN,
-        "samples": 500.0,
-        "queue_depth": 0.0,
-        "arrival_rate_per_s": 20.0,
-        "mean_batch_size": 8.0,
-        "kv_usage_ratio": 0.3,
-        "preemptions_per_s": 0.0,
-        "tail_marked_share": 0.0,
-    }
-    base.update(others)
-    return Observations(**base)
-
-
-WINDOW = Window(target_batch_size=8, hard_cap=16, max_wait_ms=20, tail_mark_ratio=2.0, generation=3)
+WINDOW = make_window(generation=3)
 
 
 def starting_at(target: int, cap: int, wait: int) -> tuple[BatchProfileSpec, Window]:
     """A spec whose starting window is target/cap/wait, and that window in force."""
-    spec = make_spec(window={"targetBatchSize": target, "hardCap": cap, "maxWaitMs": wait})
+    spec = make_policy_spec(window={"targetBatchSize": target, "hardCap": cap, "maxWaitMs": wait})
     return spec, Window.from_fields(spec.window, generation=3)
 
 
@@ -101,7 +67,7 @@ def spec_and_window(draw: st.DrawFn) -> tuple[BatchProfileSpec, Window]:
     slo: dict[str, Any] = {"p99Ms": p99_ms}
     if itl_ms is not None:
         slo["interTokenP99Ms"] = itl_ms
-    spec = make_spec(
+    spec = make_policy_spec(
         batchFriendliness=draw(st.sampled_from(["high", "medium", "low", "auto"])),
         window=window_fields,
         slo=slo,
@@ -160,7 +126,7 @@ def itl_spec(budget: int | None = 2048, itl_ms: float = 100.0, **bounds: Any) ->
     window: dict[str, Any] = {"targetBatchSize": 1, "hardCap": 64, "maxWaitMs": 0}
     if budget is not None:
         window["maxPrefillTokens"] = budget
-    spec = make_spec(
+    spec = make_policy_spec(
         window=window,
         slo={"p99Ms": 1000, "interTokenP99Ms": itl_ms},
         tuning={"intervalSeconds": 15, "cooldownSeconds": 30, "maxStepFraction": 0.5, "bounds": bounds},
@@ -170,60 +136,84 @@ def itl_spec(budget: int | None = 2048, itl_ms: float = 100.0, **bounds: Any) ->
 
 def test_inter_token_p99_over_its_target_lowers_the_budget_and_says_so() -> None:
     spec, window = itl_spec()
-    decision = decide(spec, window, make_obs(0.2, itl_p99_s=0.150, mean_batch_size=8.0), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(0.2, itl_p99_s=0.150, mean_batch_size=8.0), PolicyState(), 100.0)
     assert decision.direction == "down"
     # First tokens with room: aimed at 85 % of the gap target at once, 2048 x 0.85 / 1.5.
     assert decision.window.max_prefill_tokens == 1161
     assert "inter-token P99 150 ms over its 100 ms target" in decision.reason
     assert "prefill budget to 1161" in decision.reason
     # A small overshoot: 0.85 / 1.05.
-    decision = decide(spec, window, make_obs(0.2, itl_p99_s=0.105), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(0.2, itl_p99_s=0.105), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 1658
 
 
 def test_with_both_tails_tight_the_budget_moves_only_as_far_as_balances_them() -> None:
     spec, window = itl_spec(budget=2048)
     # Gaps 1.2x over, first tokens at 0.9x: sqrt(0.9 / 1.2) = 0.866 is a shallower cut than 0.85 / 1.2.
-    decision = decide(spec, window, make_obs(0.9, itl_p99_s=0.120), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(0.9, itl_p99_s=0.120), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == math.ceil(2048 * math.sqrt(0.9 / 1.2))
     # First tokens further over than the gaps: a cut would move the pain to the worse tail.
-    decision = decide(spec, window, make_obs(1.3, itl_p99_s=0.110), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(1.3, itl_p99_s=0.110), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 2048
     # First tokens over, gaps within but close: raised to balance, never past 95 % of the gap target.
-    decision = decide(spec, window, make_obs(1.4, itl_p99_s=0.080), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(1.4, itl_p99_s=0.080), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == math.floor(2048 * 0.95 / 0.8)
 
 
 def test_an_unset_budget_counts_as_the_top_of_its_bounds_when_it_must_come_down() -> None:
     spec, window = itl_spec(budget=None)
-    decision = decide(spec, window, make_obs(0.5, itl_p99_s=0.5, itl_p99_saturated=False), PolicyState(), 100.0)
+    decision = decide(
+        spec, window, make_observations(0.5, itl_p99_s=0.5, itl_p99_saturated=False), PolicyState(), 100.0
+    )
     assert decision.window.max_prefill_tokens == 8192  # 16384 (the bound) halved: the overshoot is 5x
 
 
 def test_first_tokens_under_pressure_raise_the_budget_towards_the_inter_token_setpoint() -> None:
     spec, window = itl_spec(budget=1000)
     # TTFT at 0.8 of its SLO (past the headroom), gaps at 40 % of theirs: room to prefill more per step.
-    decision = decide(spec, window, make_obs(0.8, itl_p99_s=0.040), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(0.8, itl_p99_s=0.040), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 1500  # the step limit (x1.5) binds before the setpoint (x2.1)
     assert "raising the prefill budget to 1500" in decision.reason
     # Gaps at 60 %: the setpoint (0.85 / 0.6) binds first.
-    decision = decide(spec, window, make_obs(0.8, itl_p99_s=0.060), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(0.8, itl_p99_s=0.060), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 1416
+
+
+def test_the_budget_never_rises_past_a_step_that_outlasts_the_first_token_target() -> None:
+    spec, window = itl_spec(budget=1000)
+    # A prompt token costs 0.5 ms: 2000 tokens fill the 1 s target, so the x1.5 raise stops there.
+    pressure = make_observations(1.2, itl_p99_s=0.040, prefill_s_per_token=0.0005)
+    decision = decide(spec, window, pressure, PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 1500
+    raised = decide(spec, decision.window, pressure, decision.state, 200.0)
+    assert raised.window.max_prefill_tokens == 2000
+    # At the top the estimate wanders a little from interval to interval: no move under 5 %.
+    wandered = make_observations(1.2, itl_p99_s=0.040, prefill_s_per_token=0.00049)
+    assert decide(spec, raised.window, wandered, raised.state, 300.0).window.max_prefill_tokens == 2000
+    # Unknown cost, or an SLO on another latency than the first token: no such top.
+    unknown = decide(spec, decision.window, make_observations(1.2, itl_p99_s=0.040), decision.state, 200.0)
+    assert unknown.window.max_prefill_tokens == 2250
+    e2e = make_policy_spec(
+        window=spec.window.model_dump(by_alias=True, exclude_none=True),
+        slo={"latencyMetric": "e2e", "p99Ms": 1000, "interTokenP99Ms": 100},
+        tuning=spec.tuning.model_dump(by_alias=True),
+    )
+    assert decide(e2e, decision.window, pressure, decision.state, 200.0).window.max_prefill_tokens == 2250
 
 
 def test_a_cut_sets_a_ceiling_that_raises_respect_until_the_gaps_have_been_calm() -> None:
     spec, window = itl_spec(budget=2000)
-    cut = decide(spec, window, make_obs(0.2, itl_p99_s=0.17), PolicyState(), 100.0)
+    cut = decide(spec, window, make_observations(0.2, itl_p99_s=0.17), PolicyState(), 100.0)
     assert cut.window.max_prefill_tokens == 1000  # the step limit (x0.5) binds before 0.85 / 1.7
     assert cut.state.budget_ceiling == 1000
     # Later, first tokens under pressure and gaps with room: no raise past the ceiling.
-    pressure = make_obs(0.8, itl_p99_s=0.040)
+    pressure = make_observations(0.8, itl_p99_s=0.040)
     held = decide(spec, cut.window, pressure, cut.state, 200.0)
     assert held.window.max_prefill_tokens == 1000
     # After 20 calm intervals the ceiling lifts by one step (x1.5) and the raise may follow it.
     state = held.state
     for i in range(19):
-        state = decide(spec, cut.window, make_obs(0.3, itl_p99_s=0.040), state, 300.0 + 15 * i).state
+        state = decide(spec, cut.window, make_observations(0.3, itl_p99_s=0.040), state, 300.0 + 15 * i).state
     lifted = decide(spec, cut.window, pressure, state, 1000.0)
     assert lifted.state.budget_ceiling == 1500
     assert lifted.window.max_prefill_tokens == 1500
@@ -231,12 +221,18 @@ def test_a_cut_sets_a_ceiling_that_raises_respect_until_the_gaps_have_been_calm(
 
 def test_the_budget_holds_when_first_tokens_have_headroom_or_gaps_have_no_room() -> None:
     spec, window = itl_spec(budget=1000)
-    assert decide(spec, window, make_obs(0.3, itl_p99_s=0.040), PolicyState(), 100.0).window.max_prefill_tokens == 1000
-    assert decide(spec, window, make_obs(0.8, itl_p99_s=0.080), PolicyState(), 100.0).window.max_prefill_tokens == 1000
+    assert (
+        decide(spec, window, make_observations(0.3, itl_p99_s=0.040), PolicyState(), 100.0).window.max_prefill_tokens
+        == 1000
+    )
+    assert (
+        decide(spec, window, make_observations(0.8, itl_p99_s=0.080), PolicyState(), 100.0).window.max_prefill_tokens
+        == 1000
+    )
 
 
 def gaps_only_spec(budget: int = 2048, itl_ms: float = 100.0) -> tuple[BatchProfileSpec, Window]:
-    spec = make_spec(
+    spec = make_policy_spec(
         window={"targetBatchSize": 1, "hardCap": 64, "maxWaitMs": 0, "maxPrefillTokens": budget},
         slo={"p99Ms": None, "interTokenP99Ms": itl_ms},
     )
@@ -247,7 +243,7 @@ def test_an_slo_of_gaps_alone_cuts_the_budget_with_nothing_holding_it_back() -> 
     spec, window = gaps_only_spec()
     assert spec.slo.p99_ms is None
     # First tokens at 5 s would stop (balance) a cut with a 1 s first-token target; with none, the gap decides.
-    decision = decide(spec, window, make_obs(5.0, itl_p99_s=0.150), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(5.0, itl_p99_s=0.150), PolicyState(), 100.0)
     assert decision.direction == "down"
     assert decision.window.max_prefill_tokens == math.ceil(2048 * 0.85 / 1.5)
     assert decision.reason.startswith("inter-token P99 150 ms over its 100 ms target: lowering the prefill budget")
@@ -257,23 +253,23 @@ def test_an_slo_of_gaps_alone_cuts_the_budget_with_nothing_holding_it_back() -> 
 
 def test_an_slo_of_gaps_alone_raises_the_budget_only_while_prompts_wait() -> None:
     spec, window = gaps_only_spec(budget=1000)
-    waiting = decide(spec, window, make_obs(5.0, itl_p99_s=0.040, queue_depth=6.0), PolicyState(), 100.0)
+    waiting = decide(spec, window, make_observations(5.0, itl_p99_s=0.040, queue_depth=6.0), PolicyState(), 100.0)
     assert waiting.window.max_prefill_tokens == 1500
     assert "6 prompts wait" in waiting.reason
-    idle = decide(spec, window, make_obs(5.0, itl_p99_s=0.040, queue_depth=0.0), PolicyState(), 100.0)
+    idle = decide(spec, window, make_observations(5.0, itl_p99_s=0.040, queue_depth=0.0), PolicyState(), 100.0)
     assert idle.window.max_prefill_tokens == 1000
 
 
 def test_an_slo_of_gaps_alone_holds_without_gap_data() -> None:
     spec, window = gaps_only_spec()
-    decision = decide(spec, window, make_obs(0.2, itl_p99_s=NAN), PolicyState(), 100.0)
+    decision = decide(spec, window, make_observations(0.2, itl_p99_s=NAN), PolicyState(), 100.0)
     assert decision.direction == "hold"
     assert decision.reason.startswith("No inter-token data")
 
 
 def test_with_the_budget_at_its_floor_the_cap_comes_down_for_gaps() -> None:
     spec, window = itl_spec(budget=128, maxPrefillTokens={"min": 128, "max": 4096})
-    obs = make_obs(0.5, itl_p99_s=0.3, mean_batch_size=60.0, queue_depth=0.0)
+    obs = make_observations(0.5, itl_p99_s=0.3, mean_batch_size=60.0, queue_depth=0.0)
     decision = decide(spec, window, obs, PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 128
     assert decision.window.hard_cap == 32
@@ -392,10 +388,10 @@ def test_worse_p99_never_gives_a_larger_cap(
 
 
 def test_saturated_p99_counts_as_far_over_not_as_its_value() -> None:
-    spec = make_spec()
+    spec = make_policy_spec()
     top = LATENCY_BUCKETS_S[-1]
     # The value itself (150 s) would be over anyway; use a tiny SLO-relative figure to show the flag wins.
-    obs = make_obs(p99_s=0.1, p99_saturated=True)
+    obs = make_observations(p99_s=0.1, p99_saturated=True)
     decision = decide(spec, WINDOW, obs, PolicyState(), 100.0)
     assert decision.direction == "down"
     assert "top bucket" in decision.reason
@@ -404,7 +400,7 @@ def test_saturated_p99_counts_as_far_over_not_as_its_value() -> None:
 
 
 def test_over_slo_steps_wait_and_target_down_and_bumps_generation() -> None:
-    decision = decide(make_spec(), WINDOW, make_obs(p99_s=2.5), PolicyState(), 100.0)
+    decision = decide(make_policy_spec(), WINDOW, make_observations(p99_s=2.5), PolicyState(), 100.0)
     assert decision.direction == "down"
     assert decision.window.target_batch_size == 4
     assert decision.window.max_wait_ms == 10
@@ -415,18 +411,22 @@ def test_over_slo_steps_wait_and_target_down_and_bumps_generation() -> None:
 
 def test_dead_band_holds() -> None:
     decision = decide(
-        make_spec(), WINDOW, make_obs(p99_s=0.8, mean_batch_size=4.0, arrival_rate_per_s=300.0), PolicyState(), 100.0
+        make_policy_spec(),
+        WINDOW,
+        make_observations(p99_s=0.8, mean_batch_size=4.0, arrival_rate_per_s=300.0),
+        PolicyState(),
+        100.0,
     )
     assert decision.direction == "hold"
     assert "dead band" in decision.reason
 
 
 def test_headroom_must_last_two_intervals_before_target_rises() -> None:
-    spec = make_spec(window={"hardCap": 128})
-    window = Window(target_batch_size=8, hard_cap=128, max_wait_ms=20)
+    spec = make_policy_spec(window={"hardCap": 128})
+    window = make_window(cap=128)
     # Running batch 20, 300 arrivals/s: half the batch plus a third of the 6 arrivals expected in
     # 20 ms reliably fill a target of 12.
-    obs = make_obs(p99_s=0.2, mean_batch_size=20.0, arrival_rate_per_s=300.0)
+    obs = make_observations(p99_s=0.2, mean_batch_size=20.0, arrival_rate_per_s=300.0)
     first = decide(spec, window, obs, PolicyState(), 100.0)
     assert first.direction == "hold"
     second = decide(spec, window, obs, first.state, 115.0)
@@ -435,8 +435,8 @@ def test_headroom_must_last_two_intervals_before_target_rises() -> None:
 
 
 def test_backlog_raises_the_cap_even_over_the_slo() -> None:
-    obs = make_obs(p99_s=3.0, mean_batch_size=16.0, queue_depth=40.0)
-    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    obs = make_observations(p99_s=3.0, mean_batch_size=16.0, queue_depth=40.0)
+    decision = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
     assert decision.window.hard_cap == 24
     assert "waiting" in decision.reason
     # Target and wait fall for latency while the cap rises for the backlog: over the SLO that
@@ -449,7 +449,7 @@ def test_mixed_move_within_the_slo_is_named_up() -> None:
     # P99 in the dead band, a backlog at the cap: the cap rises; a wait far above what the arrival
     # rate needs falls. Within the SLO the move is driven by throughput, so it reads "up".
     spec, window = starting_at(16, 16, 200)
-    obs = make_obs(p99_s=0.8, mean_batch_size=15.0, queue_depth=40.0, arrival_rate_per_s=400.0)
+    obs = make_observations(p99_s=0.8, mean_batch_size=15.0, queue_depth=40.0, arrival_rate_per_s=400.0)
     decision = decide(spec, window, obs, PolicyState(), 100.0)
     assert decision.window.hard_cap > window.hard_cap
     assert decision.window.max_wait_ms < window.max_wait_ms
@@ -457,34 +457,34 @@ def test_mixed_move_within_the_slo_is_named_up() -> None:
 
 
 def test_preemptions_lower_the_cap_and_set_a_ceiling() -> None:
-    obs = make_obs(p99_s=0.3, mean_batch_size=16.0, queue_depth=40.0, preemptions_per_s=2.0)
-    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    obs = make_observations(p99_s=0.3, mean_batch_size=16.0, queue_depth=40.0, preemptions_per_s=2.0)
+    decision = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
     assert decision.direction == "down"
     assert decision.window.hard_cap < WINDOW.hard_cap
     assert decision.state.kv_cap_ceiling == decision.window.hard_cap
     # Later, a backlog cannot push the cap past that ceiling.
-    later = decide(make_spec(), decision.window, obs.with_(preemptions_per_s=0.0), decision.state, 200.0)
+    later = decide(make_policy_spec(), decision.window, obs.with_(preemptions_per_s=0.0), decision.state, 200.0)
     assert later.window.hard_cap <= decision.state.kv_cap_ceiling
 
 
 def test_high_kv_usage_blocks_cap_raises() -> None:
-    obs = make_obs(p99_s=3.0, mean_batch_size=16.0, queue_depth=40.0, kv_usage_ratio=0.95)
-    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    obs = make_observations(p99_s=3.0, mean_batch_size=16.0, queue_depth=40.0, kv_usage_ratio=0.95)
+    decision = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
     assert decision.window.hard_cap <= WINDOW.hard_cap
 
 
 def test_long_steps_over_slo_lower_the_cap() -> None:
-    obs = make_obs(p99_s=1.5, mean_batch_size=16.0, queue_depth=0.0, step_s_by_batch={16: 0.4})
-    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    obs = make_observations(p99_s=1.5, mean_batch_size=16.0, queue_depth=0.0, step_s_by_batch={16: 0.4})
+    decision = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
     assert decision.window.hard_cap < WINDOW.hard_cap
     assert "too long" in decision.reason
 
 
 def test_friendliness_class_limits_the_cap() -> None:
-    window = Window(target_batch_size=8, hard_cap=32, max_wait_ms=20)
-    obs = make_obs(p99_s=0.2, mean_batch_size=32.0, queue_depth=40.0)
-    low = decide(make_spec(batchFriendliness="low", window={"hardCap": 32}), window, obs, PolicyState(), 100.0)
-    high = decide(make_spec(window={"hardCap": 32}), window, obs, PolicyState(), 100.0)
+    window = make_window(cap=32)
+    obs = make_observations(p99_s=0.2, mean_batch_size=32.0, queue_depth=40.0)
+    low = decide(make_policy_spec(batchFriendliness="low", window={"hardCap": 32}), window, obs, PolicyState(), 100.0)
+    high = decide(make_policy_spec(window={"hardCap": 32}), window, obs, PolicyState(), 100.0)
     assert low.window.hard_cap == 32
     assert high.window.hard_cap == 48
 
@@ -492,9 +492,9 @@ def test_friendliness_class_limits_the_cap() -> None:
 def test_auto_mode_stops_the_target_at_the_knee() -> None:
     # Throughput stops growing past 8: 8/0.01 = 16/0.02 = 32/0.04 = 800 tokens/s.
     curve = {1: 0.01, 2: 0.01, 4: 0.01, 8: 0.01, 16: 0.02, 32: 0.04}
-    spec = make_spec(batchFriendliness="auto", window={"targetBatchSize": 8, "hardCap": 32})
-    window = Window(target_batch_size=8, hard_cap=32, max_wait_ms=20)
-    obs = make_obs(p99_s=0.1, mean_batch_size=20.0, arrival_rate_per_s=1000.0, step_s_by_batch=curve)
+    spec = make_policy_spec(batchFriendliness="auto", window={"targetBatchSize": 8, "hardCap": 32})
+    window = make_window(cap=32)
+    obs = make_observations(p99_s=0.1, mean_batch_size=20.0, arrival_rate_per_s=1000.0, step_s_by_batch=curve)
     state = PolicyState(headroom_streak=5)
     decision = decide(spec, window, obs, state, 100.0)
     assert decision.friendliness is not None and decision.friendliness.knee_batch_size == 8
@@ -502,27 +502,29 @@ def test_auto_mode_stops_the_target_at_the_knee() -> None:
 
 
 def test_wait_follows_the_arrival_rate() -> None:
-    spec = make_spec(tuning={"maxStepFraction": 1.0, "cooldownSeconds": 0})
-    window = Window(target_batch_size=8, hard_cap=16, max_wait_ms=40)
+    spec = make_policy_spec(tuning={"maxStepFraction": 1.0, "cooldownSeconds": 0})
+    window = make_window(wait_ms=40)
     state = PolicyState(headroom_streak=5)
-    fast = decide(spec, window, make_obs(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=1000.0), state, 100.0)
-    slow = decide(spec, window, make_obs(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=5.0), state, 100.0)
+    fast = decide(
+        spec, window, make_observations(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=1000.0), state, 100.0
+    )
+    slow = decide(spec, window, make_observations(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=5.0), state, 100.0)
     assert fast.window.max_wait_ms < window.max_wait_ms
     assert slow.window.max_wait_ms > window.max_wait_ms
     assert slow.window.max_wait_ms <= 100  # a tenth of the 1 s SLO
 
 
 def test_window_outside_bounds_is_clamped_at_once() -> None:
-    spec = make_spec(tuning={"bounds": {"hardCap": {"min": 1, "max": 64}}})
-    window = Window(target_batch_size=8, hard_cap=200, max_wait_ms=20)
-    decision = decide(spec, window, make_obs(), PolicyState(last_change_s=99.0), 100.0)
+    spec = make_policy_spec(tuning={"bounds": {"hardCap": {"min": 1, "max": 64}}})
+    window = make_window(cap=200)
+    decision = decide(spec, window, make_observations(), PolicyState(last_change_s=99.0), 100.0)
     assert decision.direction == "reset"
     assert decision.window.hard_cap == 64
 
 
 def test_tail_ratio_rises_when_marking_catches_everyone() -> None:
-    obs = make_obs(p99_s=2.0, tail_marked_share=0.5)
-    decision = decide(make_spec(), WINDOW, obs, PolicyState(), 100.0)
+    obs = make_observations(p99_s=2.0, tail_marked_share=0.5)
+    decision = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
     assert decision.window.tail_mark_ratio == pytest.approx(2.25)
 
 
@@ -530,7 +532,7 @@ def test_tail_ratio_stays_when_the_new_window_has_no_wait() -> None:
     # Over the SLO on a busy engine the 5 ms wait falls to 0: every queued request is then admitted
     # at the next step with room, oldest first, so a high marked share says nothing about the ratio.
     spec, window = starting_at(8, 16, 5)
-    obs = make_obs(p99_s=2.0, tail_marked_share=0.5, tokens_per_s=400.0, step_s_by_batch={8: 0.02})
+    obs = make_observations(p99_s=2.0, tail_marked_share=0.5, tokens_per_s=400.0, step_s_by_batch={8: 0.02})
     decision = decide(spec, window, obs, PolicyState(), 100.0)
     assert decision.window.max_wait_ms == 0
     assert decision.window.tail_mark_ratio == window.tail_mark_ratio
@@ -550,7 +552,7 @@ def test_a_busy_engine_gets_no_wait_and_a_target_its_batch_fills() -> None:
     # A held request would join a step that runs anyway: the wait goes, and the target comes down
     # to what the running batch fills (else every admission would be a timer admission).
     spec, window = starting_at(16, 64, 5)
-    obs = make_obs(
+    obs = make_observations(
         p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=2.0, tokens_per_s=400.0, step_s_by_batch={16: 0.02}
     )
     # No confirmation needed: dropping a wait only shortens latency.
@@ -565,7 +567,7 @@ def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
     # The same load shape at 20 tokens/s: the engine decodes 4 % of the time, so a wait lets
     # arrivals share a prefill step; it follows the arrival rate up as before.
     spec, window = starting_at(4, 64, 5)
-    obs = make_obs(
+    obs = make_observations(
         p99_s=0.2, mean_batch_size=2.0, arrival_rate_per_s=20.0, tokens_per_s=20.0, step_s_by_batch={2: 0.004}
     )
     # A raise waits for its confirmation (noise must not flip it), then comes.
@@ -586,7 +588,7 @@ def test_the_reason_names_what_moved_and_which_way() -> None:
     # of the 30 arrivals in 100 ms would fill 15), and at 300 arrivals/s the gap of 2 over the batch
     # fills in 10 ms, so the wait falls: the reason must say both, each with its direction.
     spec, window = starting_at(8, 128, 100)
-    obs = make_obs(p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=300.0)
+    obs = make_observations(p99_s=0.2, mean_batch_size=10.0, arrival_rate_per_s=300.0)
     first = decide(spec, window, obs, PolicyState(), 100.0)
     decision = decide(spec, window, obs, first.state, 115.0)
     assert decision.window.target_batch_size > window.target_batch_size

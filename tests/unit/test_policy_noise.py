@@ -12,10 +12,11 @@ import random
 
 import pytest
 
-from batchpilot_operator.api.profile import BatchProfileSpec, parse_spec
-from batchpilot_operator.tuning.observations import NAN, Observations
+from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.tuning.observations import NAN
 from batchpilot_operator.tuning.policy import PolicyState, decide
 from batchpilot_runtime.contract.window import Window
+from tests.support.factories import make_observations, make_policy_spec
 
 INTERVALS = 200
 INTERVAL_S = 15
@@ -24,15 +25,10 @@ FLAP_INTERVALS = 10  # two reversals of one field this close together are a flap
 
 
 def _spec(with_gaps: bool) -> BatchProfileSpec:
-    return parse_spec(
-        {
-            "model": "m",
-            "selector": {"matchLabels": {"app": "m"}},
-            "batchFriendliness": "high",
-            "window": {"targetBatchSize": 8, "hardCap": 32, "maxWaitMs": 20, "maxPrefillTokens": 2048},
-            "slo": {"p99Ms": 1000, **({"interTokenP99Ms": 100} if with_gaps else {})},
-            "tuning": {"intervalSeconds": INTERVAL_S, "cooldownSeconds": COOLDOWN_S, "maxStepFraction": 0.5},
-        }
+    return make_policy_spec(
+        window={"hardCap": 32, "maxPrefillTokens": 2048},
+        slo={"interTokenP99Ms": 100} if with_gaps else {},
+        tuning={"intervalSeconds": INTERVAL_S, "cooldownSeconds": COOLDOWN_S},
     )
 
 
@@ -47,18 +43,12 @@ def _run(
     decisions = 0
     for i in range(INTERVALS):
         p99_s = median * math.exp(rng.gauss(0.0, sigma))
-        obs = Observations(
-            p50_s=p99_s / 3,
-            p99_s=p99_s,
-            p999_s=p99_s * 1.2,
-            samples=500.0,
+        obs = make_observations(
+            p99_s,
             queue_depth=float(rng.choice([0, 1, 2, 3])),
             arrival_rate_per_s=20.0 + rng.gauss(0.0, 2.0),
             tokens_per_s=tokens_per_s,
             mean_batch_size=8.0 + rng.gauss(0.0, 1.0),
-            kv_usage_ratio=0.3,
-            preemptions_per_s=0.0,
-            tail_marked_share=0.0,
             itl_p99_s=0.1 * math.exp(rng.gauss(0.0, sigma)) if with_gaps else NAN,
             step_s_by_batch={8: 0.02, 16: 0.03},
         )

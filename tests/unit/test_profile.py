@@ -5,23 +5,13 @@ import pytest
 import yaml
 
 from batchpilot_operator.api.profile import BatchProfileSpec, ProfileError, parse_manifest, parse_spec
+from tests.support.factories import make_spec_dict
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
 
 
-def make_spec(**overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": "m",
-        "selector": {"matchLabels": {"app": "m"}},
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
-        "slo": {"p99Ms": 800},
-    }
-    spec.update(overrides)
-    return spec
-
-
 def test_defaults_fill_a_minimal_spec() -> None:
-    spec = parse_spec(make_spec())
+    spec = parse_spec(make_spec_dict(tuning=None))
     assert spec.tuning.mode.value == "adaptive"
     assert spec.tuning.interval_seconds == 15
     assert spec.window.tail_mark_ratio == 2.0
@@ -73,13 +63,13 @@ def test_defaults_fill_a_minimal_spec() -> None:
 )
 def test_bad_specs_name_the_field(overrides: dict[str, Any], names: list[str]) -> None:
     with pytest.raises(ProfileError) as caught:
-        parse_spec(make_spec(**overrides))
+        parse_spec(make_spec_dict(**overrides))
     for name in names:
         assert name in str(caught.value)
 
 
 def test_partial_bounds_take_the_other_end_from_the_defaults() -> None:
-    spec = parse_spec(make_spec(tuning={"bounds": {"maxWaitMs": {"max": 2000}, "hardCap": {"min": 4}}}))
+    spec = parse_spec(make_spec_dict(tuning={"bounds": {"maxWaitMs": {"max": 2000}, "hardCap": {"min": 4}}}))
     assert (spec.tuning.bounds.max_wait_ms.min, spec.tuning.bounds.max_wait_ms.max) == (0, 2000)
     assert (spec.tuning.bounds.hard_cap.min, spec.tuning.bounds.hard_cap.max) == (4, 512)
     assert (spec.tuning.bounds.target_batch_size.min, spec.tuning.bounds.target_batch_size.max) == (1, 256)
@@ -87,7 +77,7 @@ def test_partial_bounds_take_the_other_end_from_the_defaults() -> None:
 
 def test_a_partial_range_below_its_default_end_says_which_end_was_defaulted() -> None:
     with pytest.raises(ProfileError) as caught:
-        parse_spec(make_spec(tuning={"bounds": {"maxPrefillTokens": {"max": 100}}}))
+        parse_spec(make_spec_dict(tuning={"bounds": {"maxPrefillTokens": {"max": 100}}}))
     assert caught.value.problems == [
         "spec.tuning.bounds.maxPrefillTokens: min (128, the default) must be less than or equal to max (100); "
         "give both ends"
@@ -98,7 +88,7 @@ def test_field_and_cross_field_errors_come_together() -> None:
     lane = {"name": "c", "reservedSlots": 32, "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}
     with pytest.raises(ProfileError) as caught:
         parse_spec(
-            make_spec(
+            make_spec_dict(
                 window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
                 tuning={"bounds": {"hardCap": {"max": 8}}, "cooldownSeconds": -1},
                 lanes=[lane, lane],
@@ -129,7 +119,7 @@ def test_manifest_needs_kind_and_name() -> None:
     with pytest.raises(ProfileError, match="apiVersion/kind"):
         parse_manifest({"apiVersion": "v1", "kind": "Pod"})
     with pytest.raises(ProfileError, match=r"metadata\.name"):
-        parse_manifest({"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchProfile", "spec": make_spec()})
+        parse_manifest({"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchProfile", "spec": make_spec_dict()})
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -150,7 +140,7 @@ def test_there_are_the_three_required_examples() -> None:
 
 def test_label_selector_matching() -> None:
     spec = parse_spec(
-        make_spec(
+        make_spec_dict(
             selector={
                 "matchLabels": {"app": "m"},
                 "matchExpressions": [

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from batchpilot_runtime.contract.admin_api import LaneWindow
-from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import (
     QueueFullError,
@@ -19,18 +18,9 @@ from batchpilot_runtime.scheduling.types import (
     SeqStatus,
     StepPlan,
 )
+from tests.support.factories import make_lane, make_window
 
 # -- factories ---------------------------------------------------------------------------------
-
-
-def make_window(target: int = 4, cap: int = 8, wait_ms: int = 10, ratio: float = 2.0, generation: int = 0) -> Window:
-    return Window(
-        target_batch_size=target, hard_cap=cap, max_wait_ms=wait_ms, tail_mark_ratio=ratio, generation=generation
-    )
-
-
-def make_lane(name: str, target: int = 1, cap: int = 2, wait_ms: int = 0, reserved: int = 1) -> LaneWindow:
-    return LaneWindow(name=name, window=make_window(target, cap, wait_ms), reserved_slots=reserved)
 
 
 def make_scheduler(
@@ -61,7 +51,7 @@ def make_scheduler(
         tail_min_samples=tail_min_samples,
         kv_watermark_fraction=watermark,
     )
-    return Scheduler(config, make_window(target, cap, wait_ms, ratio), lanes)
+    return Scheduler(config, make_window(target=target, cap=cap, wait_ms=wait_ms, ratio=ratio), lanes)
 
 
 def make_requests(
@@ -264,7 +254,7 @@ def test_next_deadline_is_now_when_a_trigger_already_holds() -> None:
 
 def test_a_staged_window_makes_the_deadline_due() -> None:
     scheduler = make_scheduler()
-    scheduler.set_window(make_window(2, 4, 10, generation=1))
+    scheduler.set_window(make_window(target=2, cap=4, wait_ms=10, generation=1))
     deadline = scheduler.next_deadline_s()
     assert deadline is not None
     assert deadline < 0
@@ -369,13 +359,13 @@ def test_the_window_budget_applies_from_the_next_step_and_overrides_the_pods_own
     scheduler.add_request(make_requests(1, prompt_tokens=100, max_new=2)[0])
     plan, _ = step(scheduler, 0.0)
     assert chunks(plan) == [("r0", 0, 30, False, True)]  # the pod's start-up budget
-    scheduler.set_window(make_window(target=1).model_copy(update={"max_prefill_tokens": 8, "generation": 1}))
+    scheduler.set_window(make_window(target=1, cap=8, wait_ms=10, prefill=8, generation=1))
     assert scheduler.prefill_budget_tokens == 30  # staged, not yet in force
     plan, _ = step(scheduler, 1.0)
     assert chunks(plan) == [("r0", 30, 8, False, True)]
     assert scheduler.prefill_budget_tokens == 8
     # A window that leaves the budget unset falls back to the pod's budget.
-    scheduler.set_window(make_window(target=1, generation=2))
+    scheduler.set_window(make_window(target=1, cap=8, wait_ms=10, generation=2))
     plan, _ = step(scheduler, 2.0)
     assert chunks(plan) == [("r0", 38, 30, False, True)]
 
@@ -383,7 +373,7 @@ def test_the_window_budget_applies_from_the_next_step_and_overrides_the_pods_own
 def test_a_window_budget_on_a_pod_without_one_chunks_prompts_and_decodes_stay_outside_it() -> None:
     scheduler = make_scheduler(target=2)
     assert scheduler.prefill_budget_tokens is None
-    scheduler.set_window(make_window(target=2).model_copy(update={"max_prefill_tokens": 6, "generation": 1}))
+    scheduler.set_window(make_window(target=2, cap=8, wait_ms=10, prefill=6, generation=1))
     add_all(scheduler, make_requests(2, prompt_tokens=4, max_new=3))
     plan, _ = step(scheduler, 0.0)
     assert chunks(plan) == [("r0", 0, 4, True, True), ("r1", 0, 2, False, True)]
@@ -616,8 +606,8 @@ def test_a_request_for_a_staged_lane_replaced_before_it_applies_finishes_in_the_
 def test_a_later_set_window_replaces_the_staged_window_and_keeps_staged_lanes() -> None:
     scheduler = make_scheduler()
     lanes = {"critical": make_lane("critical", reserved=1)}
-    scheduler.set_window(make_window(generation=1), lanes)
-    scheduler.set_window(make_window(target=2, cap=3, generation=2))
+    scheduler.set_window(make_window(target=4, cap=8, wait_ms=10, generation=1), lanes)
+    scheduler.set_window(make_window(target=2, cap=3, wait_ms=10, generation=2))
     assert scheduler.lanes == {}
     scheduler.schedule(0.0)
     assert (scheduler.window.generation, scheduler.window.hard_cap) == (2, 3)
@@ -681,7 +671,7 @@ def test_invalid_lanes_are_refused_naming_lanes(lanes: dict[str, LaneWindow], ma
         make_scheduler(cap=4, lanes=lanes)
     scheduler = make_scheduler(cap=4)
     with pytest.raises(ValueError, match="lanes"):
-        scheduler.set_window(make_window(cap=4), lanes)
+        scheduler.set_window(make_window(target=4, cap=4, wait_ms=10), lanes)
 
 
 def test_a_removed_lane_drains_and_then_refuses_new_requests() -> None:

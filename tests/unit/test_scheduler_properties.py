@@ -22,6 +22,7 @@ from batchpilot_runtime.scheduling.types import (
     SchedRequest,
     SchedulerConfig,
 )
+from tests.support.factories import make_window
 from tests.unit.test_scheduler import sampled_for
 
 STEP_S = 0.005
@@ -147,14 +148,9 @@ class RunResult:
     steps: int = 0
 
 
-def _window(target: int, cap: int, wait_ms: int, ratio: float, generation: int) -> Window:
-    return Window(
-        target_batch_size=min(target, cap),
-        hard_cap=cap,
-        max_wait_ms=wait_ms,
-        tail_mark_ratio=ratio,
-        generation=generation,
-    )
+def _clamped_window(target: int, cap: int, wait_ms: int, ratio: float, generation: int = 0) -> Window:
+    """The drawn window, its target (drawn apart from the cap) lowered to the cap."""
+    return make_window(target=min(target, cap), cap=cap, wait_ms=wait_ms, ratio=ratio, generation=generation)
 
 
 def _check_step_invariants(scheduler: Scheduler, result: RunResult, running_before: set[str]) -> None:
@@ -204,10 +200,10 @@ def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
         lane_target, lane_cap, lane_wait_ms, reserved = w.lane
         lanes = {
             LANE: LaneWindow(
-                name=LANE, window=_window(lane_target, lane_cap, lane_wait_ms, w.ratio, 0), reserved_slots=reserved
+                name=LANE, window=_clamped_window(lane_target, lane_cap, lane_wait_ms, w.ratio), reserved_slots=reserved
             )
         }
-    scheduler = Scheduler(config, _window(w.target, w.cap, w.wait_ms, w.ratio, 0), lanes)
+    scheduler = Scheduler(config, _clamped_window(w.target, w.cap, w.wait_ms, w.ratio), lanes)
     result = RunResult()
     arrivals: list[tuple[float, int, Arrival]] = []
     t = 0.0
@@ -236,7 +232,7 @@ def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
         for change in w.changes:
             if change.at_step == result.steps and change.inside_step == inside_step:
                 generation += 1
-                staged = _window(change.target, change.cap, change.wait_ms, w.ratio, generation)
+                staged = _clamped_window(change.target, change.cap, change.wait_ms, w.ratio, generation)
                 scheduler.set_window(staged)
         return staged
 

@@ -26,7 +26,7 @@ from batchpilot_operator.io.push import AdminClient
 from tests.integration.fake_admin import FakeAdminServer
 from tests.integration.kmock_cluster import running_cluster
 from tests.support.crd_validation import validate_object
-from tests.support.factories import make_spec_dict
+from tests.support.factories import make_manifest, make_spec_dict
 
 FLEET_TOKEN = "fleet-token"
 SECRETS = {("team-a", "chat-admin", "token"): "team-a-token", ("team-b", "chat-admin", "token"): "team-b-token"}
@@ -141,8 +141,7 @@ def test_a_secret_of_another_namespace_is_refused_at_parse_naming_the_field() ->
 def test_a_secret_name_that_is_a_path_or_no_name_is_refused_by_parse_and_schema(name: str) -> None:
     with pytest.raises(ProfileError, match=r"spec\.runtime\.adminTokenSecret\.name"):
         parse_spec(make_spec({"name": name}))
-    profile = {"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchProfile", "metadata": {"name": "p"}}
-    _, errors = validate_object(custom_resource_definition(), {**profile, "spec": make_spec({"name": name})})
+    _, errors = validate_object(custom_resource_definition(), make_manifest(make_spec({"name": name})))
     assert any(e.startswith("spec.runtime.adminTokenSecret.name") for e in errors), errors
 
 

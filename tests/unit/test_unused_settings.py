@@ -4,24 +4,20 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.api.profile import parse_spec
+from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.moves import PolicyConfig
 from batchpilot_operator.tuning.unused import unused_settings
+from tests.support.factories import make_spec
 
 
-def make_spec(**overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": "m",
-        "selector": {"matchLabels": {"app": "m"}},
-        "window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20},
-        "slo": {"p99Ms": 800},
-    }
-    spec.update(overrides)
-    return spec
+def profile(**sections: Any) -> BatchProfileSpec:
+    """The shared spec with no tuning section and a P99 of 800 ms, a tenth of which (80 ms) is the
+    longest wait the policy chooses."""
+    return make_spec(**{"slo": {"p99Ms": 800}, "tuning": None, **sections})
 
 
-def warnings_of(**overrides: Any) -> list[str]:
-    return unused_settings(parse_spec(make_spec(**overrides)))
+def warnings_of(**sections: Any) -> list[str]:
+    return unused_settings(profile(**sections))
 
 
 def test_a_plain_profile_and_the_defaults_warn_of_nothing() -> None:
@@ -45,7 +41,7 @@ def test_a_wait_above_a_tenth_of_the_slo_is_named_with_the_limit() -> None:
 
 
 def test_the_share_is_the_policys_own() -> None:
-    spec = parse_spec(make_spec(window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 100}))
+    spec = profile(window={"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 100})
     assert unused_settings(spec, PolicyConfig(wait_slo_fraction=0.125)) == []
     assert len(unused_settings(spec, PolicyConfig(wait_slo_fraction=0.1))) == 1
 

@@ -5,12 +5,7 @@ from pydantic import ValidationError
 
 from batchpilot_runtime.contract.admin_api import WindowUpdate
 from batchpilot_runtime.contract.window import Window
-
-
-def make_window(**overrides: object) -> Window:
-    fields: dict[str, object] = {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 20, "tailMarkRatio": 2.0}
-    fields.update(overrides)
-    return Window.model_validate(fields)
+from tests.support.factories import make_window, make_window_dict
 
 
 def test_camel_case_on_the_wire_snake_case_in_python() -> None:
@@ -26,7 +21,7 @@ def test_camel_case_on_the_wire_snake_case_in_python() -> None:
 
 
 def test_the_prefill_budget_travels_when_set_and_is_left_out_when_unset() -> None:
-    budgeted = make_window(maxPrefillTokens=512, generation=1)
+    budgeted = make_window(prefill=512, generation=1)
     wire = budgeted.model_dump(by_alias=True, mode="json")
     assert wire["maxPrefillTokens"] == 512
     assert Window.model_validate(wire) == budgeted
@@ -39,7 +34,7 @@ def test_the_prefill_budget_travels_when_set_and_is_left_out_when_unset() -> Non
 
 def test_target_above_cap_is_refused_naming_both_fields() -> None:
     with pytest.raises(ValidationError) as caught:
-        make_window(targetBatchSize=16, hardCap=8)
+        make_window(target=16, cap=8)
     message = str(caught.value)
     assert "targetBatchSize (16)" in message
     assert "hardCap (8)" in message
@@ -60,13 +55,13 @@ def test_target_above_cap_is_refused_naming_both_fields() -> None:
 )
 def test_each_bad_field_is_named(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as caught:
-        make_window(**{field: value})
+        Window.model_validate({**make_window_dict(), field: value})
     assert [e["loc"] for e in caught.value.errors()] == [(field,)]
 
 
 def test_unknown_fields_are_refused() -> None:
     with pytest.raises(ValidationError) as caught:
-        make_window(batchSize=4)
+        Window.model_validate({**make_window_dict(), "batchSize": 4})
     assert caught.value.errors()[0]["loc"] == ("batchSize",)
 
 
@@ -84,7 +79,7 @@ def test_update_body_round_trips() -> None:
 )
 def test_valid_exactly_when_target_within_cap(target: int, cap: int, wait: int) -> None:
     try:
-        window = make_window(targetBatchSize=target, hardCap=cap, maxWaitMs=wait)
+        window = make_window(target=target, cap=cap, wait_ms=wait)
     except ValidationError:
         assert target > cap
     else:
@@ -93,4 +88,4 @@ def test_valid_exactly_when_target_within_cap(target: int, cap: int, wait: int) 
 
 def test_fields_equal_ignores_generation() -> None:
     assert make_window(generation=1).fields_equal(make_window(generation=9))
-    assert not make_window().fields_equal(make_window(maxWaitMs=21))
+    assert not make_window().fields_equal(make_window(wait_ms=21))
