@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import requests
 from aiohttp import web
 
+from batchpilot_operator.io import promql
 from batchpilot_operator.io.observe import MetricsUnavailable, lookup, to_observations
 from batchpilot_operator.io.promql import PrometheusSource
 from tests.integration.fake_admin import closed_port_url
@@ -114,3 +116,19 @@ async def test_unreachable_and_failing_prometheus_name_the_cause(prom: FakeProme
     with pytest.raises(MetricsUnavailable, match=r"500|boom"):
         await source.collect({})
     source.close(wait=True)
+
+
+def test_a_read_timeout_wrapped_by_the_client_still_reads_as_too_slow() -> None:
+    """Under load the query thread's own read timeout can fire before the event loop's; requests then
+    raises a ConnectionError around urllib3's MaxRetryError(ReadTimeoutError)."""
+    from urllib3.exceptions import MaxRetryError, NewConnectionError, ReadTimeoutError
+
+    read_timeout = ReadTimeoutError(None, "/api/v1/query", "Read timed out.")  # type: ignore[arg-type]
+    wrapped = requests.ConnectionError(MaxRetryError(None, "/api/v1/query", read_timeout))  # type: ignore[arg-type]
+    refused = requests.ConnectionError(
+        MaxRetryError(None, "/api/v1/query", NewConnectionError(None, "refused"))  # type: ignore[arg-type]
+    )
+    assert promql.timed_out(wrapped)
+    assert promql.timed_out(requests.ReadTimeout("Read timed out."))
+    assert not promql.timed_out(refused)
+    assert not promql.timed_out(ValueError("boom"))

@@ -227,8 +227,6 @@ class PrometheusSource:
 
         ``targets`` is ignored: the queries cover every model at once.
         """
-        import requests
-
         del targets
         loop = asyncio.get_running_loop()
         queries = build_queries(self.window_s, self.namespace_label)
@@ -248,12 +246,33 @@ class PrometheusSource:
         for name, outcome in zip(futures, outcomes, strict=True):
             if isinstance(outcome, MetricsUnavailable):
                 raise outcome
-            if isinstance(outcome, requests.Timeout):  # the thread's own read timeout can beat the one above
+            if isinstance(outcome, BaseException) and timed_out(
+                outcome
+            ):  # the thread's own read timeout can beat the one above
                 raise MetricsUnavailable(too_slow) from None
             if isinstance(outcome, BaseException):  # requests/urllib3/prometheus-api-client raise many types
                 raise MetricsUnavailable(f"Prometheus at {self.url} failed ({name}): {_short(outcome)}") from None
             answers[name] = outcome
         return parse_results(answers, self.window_s, self.namespace_label)
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether a query failed on its own read or connect timeout. With ``Retry(total=0)`` urllib3
+    wraps a read timeout in ``MaxRetryError``, which requests raises as a ``ConnectionError``, not
+    as a ``Timeout``: it is still a Prometheus that did not answer in time."""
+    import requests
+    from urllib3.exceptions import MaxRetryError, NewConnectionError
+    from urllib3.exceptions import TimeoutError as TransportTimeout
+
+    if isinstance(error, requests.Timeout):
+        return True
+    # urllib3 derives NewConnectionError (a refused connection) from its connect timeout.
+    return any(
+        isinstance(arg, MaxRetryError)
+        and isinstance(arg.reason, TransportTimeout)
+        and not isinstance(arg.reason, NewConnectionError)
+        for arg in error.args
+    )
 
 
 def _short(error: BaseException) -> str:
