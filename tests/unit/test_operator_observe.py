@@ -18,6 +18,8 @@ from batchpilot_operator.io.observe import (
 )
 from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
 from batchpilot_runtime.contract import metric_names as rm
+from batchpilot_runtime.scheduling.types import StepStats
+from batchpilot_runtime.server.metrics import MetricsExporter
 
 
 def hist(counts: dict[float, float]) -> HistogramWindow:
@@ -155,3 +157,36 @@ def test_first_scrape_has_gauges_but_no_rates() -> None:
     metrics_from_scrapes(Scrape(0.0, parse_exposition(EXPOSITION.format(a=1, b=1))), None, builder)
     m = builder.build()[("", "m")]
     assert m.requests_per_s is None and not m.latency and m.queue_depth == 3
+
+
+def test_the_runtime_exporters_steps_give_the_cost_of_a_prompt_token() -> None:
+    """From the runtime's own exporter through a scrape to the policy's figure: prefill steps' time
+    beyond a decode step of their batch size, per prompt token prefilled."""
+    exporter = MetricsExporter("m")
+    first = Scrape(0.0, parse_exposition(exporter.exposition().decode()))
+
+    def stats(prefill_seqs: int, prefill_tokens: int) -> StepStats:
+        return StepStats(
+            batch_size=8,
+            num_prefill_seqs=prefill_seqs,
+            num_decode_seqs=8 - prefill_seqs,
+            num_prefill_tokens=prefill_tokens,
+            admissions={},
+            admitted_requests=0,
+            tail_marked=0,
+            preempted=0,
+            queue_depth=0,
+            running=8,
+            kv_usage_ratio=0.1,
+            window_generation=0,
+        )
+
+    for _ in range(10):
+        exporter.on_step(stats(0, 0), 0.02, 0.02)  # a decode step of 8: 20 ms
+        exporter.on_step(stats(2, 1000), 0.07, 0.07)  # 1000 prompt tokens add 50 ms
+    second = Scrape(10.0, parse_exposition(exporter.exposition().decode()))
+    builder = MetricsBuilder(10.0)
+    metrics_from_scrapes(second, first, builder)
+    obs = to_observations(builder.build()[("", "m")], "ttft", 10.0)
+    assert obs.prefill_s_per_token == pytest.approx(0.05 / 1000)
+    assert obs.step_s_by_batch == {8: pytest.approx(0.02)}

@@ -100,6 +100,8 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
     interval.tail_marked = 4
     interval.preempted = 1
     interval.step_s_by_bucket = {8: [2.0, 100.0]}
+    interval.prefill_step_s_by_bucket = {8: [3.0, 20.0]}
+    interval.prefill_tokens = 20_000
     sched = Scheduler(SchedulerConfig(num_kv_blocks=64), Window(target_batch_size=1, hard_cap=4, max_wait_ms=0))
     window_s = 20.0
     simulated = to_observations(interval_metrics([interval, _Interval()], 10.0, LatencyMetric.TTFT, sched), "ttft", 7.0)
@@ -124,6 +126,9 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
         live.add_rate(key, "admissions", count / window_s, reason)
     live.add_rate(key, "step_sum", 2.0 / window_s, "8")
     live.add_rate(key, "step_count", 100.0 / window_s, "8")
+    live.add_rate(key, "prefill_step_sum", 3.0 / window_s, "8")
+    live.add_rate(key, "prefill_step_count", 20.0 / window_s, "8")
+    live.add_rate(key, "prefill_tokens", 20_000 / window_s)
     for series, value in (("queue_depth", 0.0), ("running", 0.0), ("kv_usage", 0.0), ("pods", 1.0)):
         live.add_gauge(key, series, value)
     observed = to_observations(live.build()[key], "ttft", 7.0)
@@ -136,6 +141,8 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
             assert got == want, name
     assert simulated.batch_hit_ratio == pytest.approx(0.8)  # (target + cap) / all groups
     assert simulated.tail_marked_share == pytest.approx(4 / 32)
+    # 20 prefill steps took 3 s where 20 decode steps of their batch take 0.4 s: 2.6 s for 20,000 tokens.
+    assert simulated.prefill_s_per_token == pytest.approx(2.6 / 20_000)
     # 12 of 912 gaps (1.3 %) lie in bucket 60, so the inter-token P99 does too.
     assert LATENCY_BUCKETS_S[59] < simulated.itl_p99_s <= LATENCY_BUCKETS_S[60]
 

@@ -35,6 +35,7 @@ RATE_COUNTERS: dict[str, str] = {
     "requests": rm.REQUESTS_TOTAL,
     "generated_tokens": rm.GENERATED_TOKENS_TOTAL,
     "prompt_tokens": rm.PROMPT_TOKENS_TOTAL,
+    "prefill_tokens": rm.PREFILL_TOKENS_TOTAL,
     "tail_marked": rm.TAIL_MARKED_TOTAL,
     "preemptions": rm.PREEMPTIONS_TOTAL,
     "admissions": rm.ADMISSIONS_TOTAL,
@@ -128,12 +129,14 @@ class ModelMetrics:
     requests_per_s: float | None = None
     generated_tokens_per_s: float | None = None
     prompt_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
     admissions_per_s: dict[str, float] = field(default_factory=dict)  # by reason
     tail_marked_per_s: float | None = None
     preemptions_per_s: float | None = None
     decode_batch_sum_per_s: float | None = None
     decode_batch_count_per_s: float | None = None
     step_seconds_by_bucket: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (sum/s, count/s)
+    prefill_step_seconds_by_bucket: dict[int, tuple[float, float]] = field(default_factory=dict)  # the same, prefill
     queue_depth: float | None = None
     running: float | None = None
     kv_usage_max: float | None = None
@@ -164,6 +167,21 @@ class ModelMetrics:
     def step_time_per_batch_s(self) -> dict[int, float]:
         """Mean decode step time per batch-size bucket, for buckets that had steps."""
         return {b: s / c for b, (s, c) in sorted(self.step_seconds_by_bucket.items()) if c > 0}
+
+    def prefill_seconds_per_token(self) -> float | None:
+        """Step time one prompt token costs: the prefill steps' time beyond what a decode step of the
+        same batch-size bucket takes, per prompt token prefilled. Without a decode step to compare
+        with, the whole prefill step counts (an overestimate: the step's decodes are charged to its
+        prompt tokens)."""
+        if not self.prefill_tokens_per_s or not self.prefill_step_seconds_by_bucket:
+            return None
+        decode = self.step_time_per_batch_s()
+        prefill_s = 0.0
+        for bucket, (sum_s, count) in self.prefill_step_seconds_by_bucket.items():
+            nearest = min(decode, key=lambda b: abs(math.log2(b / bucket)), default=None)
+            decode_s = decode[nearest] if nearest is not None else 0.0
+            prefill_s += max(0.0, sum_s - count * decode_s)
+        return prefill_s / self.prefill_tokens_per_s
 
 
 def lookup(metrics: Mapping[ModelKey, ModelMetrics], namespace: str, model: str) -> ModelMetrics | None:
@@ -211,23 +229,25 @@ class MetricsBuilder:
             counts[latency_metric] = counts.get(latency_metric, 0.0) + rate
 
     def add_rate(self, key: ModelKey, series: str, rate: float, detail: str = "") -> None:
-        """``series`` is one of requests, generated_tokens, prompt_tokens, tail_marked, preemptions,
-        admissions (detail = reason), batch_sum, batch_count, step_sum and step_count (detail = batch bucket)."""
+        """``series`` is one of requests, generated_tokens, prompt_tokens, prefill_tokens, tail_marked,
+        preemptions, admissions (detail = reason), batch_sum, batch_count, and step_sum, step_count,
+        prefill_step_sum and prefill_step_count (detail = batch bucket; step_* for decode-only steps)."""
         m = self._get(key)
         if not math.isfinite(rate):
             return
         if series == "admissions":
             m.admissions_per_s[detail] = m.admissions_per_s.get(detail, 0.0) + rate
-        elif series in ("step_sum", "step_count"):
+        elif series in _STEP_SERIES:
             try:
                 bucket = int(float(detail))
             except ValueError:
                 return
-            step_sum, step_count = m.step_seconds_by_bucket.get(bucket, (0.0, 0.0))
-            if series == "step_sum":
-                m.step_seconds_by_bucket[bucket] = (step_sum + rate, step_count)
+            steps = m.prefill_step_seconds_by_bucket if series.startswith("prefill_") else m.step_seconds_by_bucket
+            step_sum, step_count = steps.get(bucket, (0.0, 0.0))
+            if series.endswith("_sum"):
+                steps[bucket] = (step_sum + rate, step_count)
             else:
-                m.step_seconds_by_bucket[bucket] = (step_sum, step_count + rate)
+                steps[bucket] = (step_sum, step_count + rate)
         else:
             attribute = _RATE_ATTRIBUTES.get(series)
             if attribute is None:
@@ -256,10 +276,12 @@ class MetricsBuilder:
         return dict(self._metrics)
 
 
+_STEP_SERIES = ("step_sum", "step_count", "prefill_step_sum", "prefill_step_count")
 _RATE_ATTRIBUTES = {
     "requests": "requests_per_s",
     "generated_tokens": "generated_tokens_per_s",
     "prompt_tokens": "prompt_tokens_per_s",
+    "prefill_tokens": "prefill_tokens_per_s",
     "tail_marked": "tail_marked_per_s",
     "preemptions": "preemptions_per_s",
     "batch_sum": "decode_batch_sum_per_s",
@@ -324,6 +346,7 @@ def to_observations(metrics: ModelMetrics | None, latency_metric: str, at_s: flo
         kv_usage_ratio=num(metrics.kv_usage_max),
         preemptions_per_s=num(metrics.preemptions_per_s),
         step_s_by_batch=metrics.step_time_per_batch_s(),
+        prefill_s_per_token=num(metrics.prefill_seconds_per_token()),
         window_s=metrics.window_s,
         at_s=at_s,
     )

@@ -75,6 +75,7 @@ def build_queries(window_s: int, namespace_label: str | None = DEFAULT_NAMESPACE
         latency_parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{w}))", f"{slo_name}{COUNT_SUFFIX}"))
     latency = " or ".join(latency_parts)
     decode = f'{{{rm.LABEL_PHASE}="decode"}}'
+    prefill = f'{{{rm.LABEL_PHASE}="prefill"}}'
     counter_rates = []
     for series, counter in RATE_COUNTERS.items():
         grouping = f"{by}, {rm.LABEL_REASON}" if series == "admissions" else by
@@ -86,6 +87,13 @@ def build_queries(window_s: int, namespace_label: str | None = DEFAULT_NAMESPACE
             _tag(f"sum by ({by}) (rate({rm.BATCH_SIZE}_count{decode}{w}))", "batch_count"),
             _tag(f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_sum{decode}{w}))", "step_sum"),
             _tag(f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_count{decode}{w}))", "step_count"),
+            _tag(
+                f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_sum{prefill}{w}))", "prefill_step_sum"
+            ),
+            _tag(
+                f"sum by ({by}, {rm.LABEL_BATCH_BUCKET}) (rate({rm.STEP_SECONDS}_count{prefill}{w}))",
+                "prefill_step_count",
+            ),
         ]
     )
     gauges = " or ".join(

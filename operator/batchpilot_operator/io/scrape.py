@@ -79,12 +79,13 @@ def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: Metric
                 builder.add_rate(key, "batch_sum", rate)
             elif name == f"{rm.BATCH_SIZE}_count":
                 builder.add_rate(key, "batch_count", rate)
-        elif name.startswith(rm.STEP_SECONDS) and labels.get(rm.LABEL_PHASE) == "decode":
+        elif name.startswith(rm.STEP_SECONDS) and (phase := labels.get(rm.LABEL_PHASE)) in rm.PHASES:
             bucket = labels.get(rm.LABEL_BATCH_BUCKET, "")
+            prefix = "prefill_" if phase == "prefill" else ""
             if name == f"{rm.STEP_SECONDS}_sum":
-                builder.add_rate(key, "step_sum", rate, bucket)
+                builder.add_rate(key, f"{prefix}step_sum", rate, bucket)
             elif name == f"{rm.STEP_SECONDS}_count":
-                builder.add_rate(key, "step_count", rate, bucket)
+                builder.add_rate(key, f"{prefix}step_count", rate, bucket)
 
 
 class ScrapeSource:

@@ -202,9 +202,12 @@ class _Interval:
     tail_marked: int = 0
     preempted: int = 0
     step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [sum_s, count]
+    prefill_step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # the same, prefill steps
+    prefill_tokens: int = 0
 
     def add_step(self, stats: StepStats, step_s: float) -> None:
-        """Counts one engine step's plan statistics (and its duration, for a decode-only step)."""
+        """Counts one engine step's plan statistics and its duration, by phase as the runtime's
+        exporter does (a step that prefills anything is a prefill step)."""
         for reason, count in stats.admissions.items():
             self.admissions[reason] = self.admissions.get(reason, 0) + count
         self.admitted_requests += stats.admitted_requests
@@ -213,14 +216,21 @@ class _Interval:
         if stats.num_decode_seqs:
             self.decode_steps += 1
             self.decode_seqs += stats.num_decode_seqs
-            if stats.num_prefill_tokens == 0:
-                bucket = int(batch_bucket(stats.batch_size))
-                acc = self.step_s_by_bucket.get(bucket)
-                if acc is None:
-                    self.step_s_by_bucket[bucket] = [step_s, 1.0]
-                else:
-                    acc[0] += step_s
-                    acc[1] += 1.0
+        if stats.num_prefill_seqs:
+            self.prefill_tokens += stats.num_prefill_tokens
+            _add_step_time(self.prefill_step_s_by_bucket, stats.batch_size, step_s)
+        elif stats.num_decode_seqs:
+            _add_step_time(self.step_s_by_bucket, stats.batch_size, step_s)
+
+
+def _add_step_time(by_bucket: dict[int, list[float]], batch_size: int, step_s: float) -> None:
+    bucket = int(batch_bucket(batch_size))
+    acc = by_bucket.get(bucket)
+    if acc is None:
+        by_bucket[bucket] = [step_s, 1.0]
+    else:
+        acc[0] += step_s
+        acc[1] += 1.0
 
 
 @dataclass(frozen=True)
@@ -543,6 +553,8 @@ def interval_metrics(
     arrivals = tokens = decode_steps = decode_seqs = marked = preempted = 0
     admissions: dict[str, int] = {}
     step_acc: dict[int, list[float]] = {}
+    prefill_acc: dict[int, list[float]] = {}
+    prefill_tokens = 0
     for interval in recent:
         for i, c in enumerate(interval.latency_buckets):
             if c:
@@ -558,10 +570,15 @@ def interval_metrics(
         preempted += interval.preempted
         for reason, count in interval.admissions.items():
             admissions[reason] = admissions.get(reason, 0) + count
-        for bucket, (sum_s, count_f) in interval.step_s_by_bucket.items():
-            acc = step_acc.setdefault(bucket, [0.0, 0.0])
-            acc[0] += sum_s
-            acc[1] += count_f
+        prefill_tokens += interval.prefill_tokens
+        for into, by_bucket in (
+            (step_acc, interval.step_s_by_bucket),
+            (prefill_acc, interval.prefill_step_s_by_bucket),
+        ):
+            for bucket, (sum_s, count_f) in by_bucket.items():
+                acc = into.setdefault(bucket, [0.0, 0.0])
+                acc[0] += sum_s
+                acc[1] += count_f
 
     def histogram(counts: list[int]) -> HistogramWindow:
         cumulative: list[float] = []
@@ -582,6 +599,8 @@ def interval_metrics(
         decode_batch_sum_per_s=decode_seqs / window_s,
         decode_batch_count_per_s=decode_steps / window_s,
         step_seconds_by_bucket={b: (s / window_s, c / window_s) for b, (s, c) in step_acc.items()},
+        prefill_step_seconds_by_bucket={b: (s / window_s, c / window_s) for b, (s, c) in prefill_acc.items()},
+        prefill_tokens_per_s=prefill_tokens / window_s,
         queue_depth=float(sched.num_waiting),
         running=float(sched.num_running),
         kv_usage_max=sched.kv_usage_ratio,

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, WindowBounds
+from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, LatencyMetric, WindowBounds
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate
 from batchpilot_operator.tuning.limits import WAIT_MIN_STEP_MS, cap_floor, limit_ratio, limit_size, limit_wait
 from batchpilot_operator.tuning.observations import Observations, known
@@ -223,6 +223,19 @@ class BudgetMove:
     first_tokens: bool = False  # a raise asked for by first tokens (else by prompts in the queue)
 
 
+def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
+    """Prompt tokens one step can prefill within the first-token target (inf when unknown).
+
+    A request that arrives as a step starts cannot begin its own prefill before that step ends, so
+    a step longer than the target makes it miss however short the queue is; a budget past this only
+    lets several long prompts share one such step."""
+    target_ms = spec.slo.p99_ms
+    per_token_s = obs.prefill_s_per_token
+    if target_ms is None or spec.slo.latency_metric != LatencyMetric.TTFT or not known(per_token_s):
+        return math.inf
+    return math.inf if per_token_s <= 0 else target_ms / 1000.0 / per_token_s
+
+
 def budget_move(
     spec: BatchProfileSpec,
     window: Window,
@@ -273,6 +286,12 @@ def budget_move(
         return BudgetMove(budget)
     if factor < 1.0 + config.budget_min_change:
         return BudgetMove(budget)
+    step_top = prefill_top(spec, obs)
+    if step_top < top:
+        # The estimate moves a little every interval: a raise it would cut under the minimum change holds.
+        top = max(bound.min, int(step_top))
+        if top < current * (1.0 + config.budget_min_change):
+            return BudgetMove(budget)
     new = limit_size(current, current * factor, fraction, bound.min, top)
     if new <= budget:
         return BudgetMove(budget)

@@ -74,7 +74,9 @@ class Observations:
     of the gap between two tokens of one request (``batchpilot_inter_token_seconds``), whatever the
     SLO's latency metric; it rests on far more samples than the per-request quantiles.
     ``step_s_by_batch`` maps a decode batch-size bucket (1, 2, 4, ...) to the mean step
-    time at that size, the raw material of the friendliness curve.
+    time at that size, the raw material of the friendliness curve. ``prefill_s_per_token`` is the
+    step time one prompt token adds (prefill steps beyond a decode step of their batch size, per
+    prompt token prefilled).
     """
 
     p50_s: float = NAN
@@ -92,6 +94,7 @@ class Observations:
     kv_usage_ratio: float = NAN
     preemptions_per_s: float = NAN
     step_s_by_batch: Mapping[int, float] = field(default_factory=dict)
+    prefill_s_per_token: float = NAN
     itl_p99_s: float = NAN
     itl_p99_saturated: bool = False
     window_s: float = NAN
@@ -110,6 +113,7 @@ class Observations:
             "p99_s",
             "p999_s",
             "itl_p99_s",
+            "prefill_s_per_token",
         ):
             value = getattr(self, name)
             if known(value) and value < 0:

@@ -80,8 +80,10 @@ time (as the memory ceiling of the cap does), because the gap's P99 is set by th
 prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
 70 % of their target while first tokens are past their headroom (towards the 85 % point), or
 when first tokens are over while the gaps are within target (towards the balance, never past
-95 % of the gap target), by at most the step limit and never past the ceiling. A move under 5 %
-is not made. Otherwise it holds: a budget raised while nothing contends would only show its cost
+95 % of the gap target), by at most the step limit and never past the ceiling. For a first-token
+SLO a raise also stops at the prompt tokens one step prefills within the first-token target
+(``Observations.prefill_s_per_token``): a request that arrives as a step starts waits for that step
+to end, so a longer step makes it miss however short the queue is. A move under 5 % is not made. Otherwise it holds: a budget raised while nothing contends would only show its cost
 at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
 
 An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place

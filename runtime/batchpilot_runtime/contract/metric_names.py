@@ -90,6 +90,7 @@ WINDOW_MAX_PREFILL_TOKENS = "batchpilot_window_max_prefill_tokens"
 REQUESTS_TOTAL = "batchpilot_requests_total"
 GENERATED_TOKENS_TOTAL = "batchpilot_generated_tokens_total"
 PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
+PREFILL_TOKENS_TOTAL = "batchpilot_prefill_tokens_total"
 TAIL_MARKED_TOTAL = "batchpilot_tail_marked_total"
 ADMISSIONS_TOTAL = "batchpilot_admissions_total"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
@@ -150,6 +151,12 @@ RUNTIME_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(REQUESTS_TOTAL, "counter", "Requests that ended, by outcome.", (LABEL_MODEL, LABEL_OUTCOME)),
     MetricSpec(GENERATED_TOKENS_TOTAL, "counter", "Tokens generated."),
     MetricSpec(PROMPT_TOKENS_TOTAL, "counter", "Prompt tokens of admitted requests."),
+    MetricSpec(
+        PREFILL_TOKENS_TOTAL,
+        "counter",
+        "Prompt tokens run through the model in prefill steps (chunks and recomputation after a preemption "
+        "included).",
+    ),
     MetricSpec(TAIL_MARKED_TOTAL, "counter", "Requests marked as tail requests."),
     MetricSpec(
         ADMISSIONS_TOTAL, "counter", "Admission decisions, by the rule that fired.", (LABEL_MODEL, LABEL_REASON)

@@ -72,7 +72,13 @@ class MetricsExporter:
             mn.ENGINE_STALL_SECONDS,
         ):
             self._gauges[name].labels(model=model)
-        for name in (mn.GENERATED_TOKENS_TOTAL, mn.PROMPT_TOKENS_TOTAL, mn.TAIL_MARKED_TOTAL, mn.PREEMPTIONS_TOTAL):
+        for name in (
+            mn.GENERATED_TOKENS_TOTAL,
+            mn.PROMPT_TOKENS_TOTAL,
+            mn.PREFILL_TOKENS_TOTAL,
+            mn.TAIL_MARKED_TOTAL,
+            mn.PREEMPTIONS_TOTAL,
+        ):
             self._counters[name].labels(model=model)
         for outcome in mn.OUTCOMES:
             self._counters[mn.REQUESTS_TOTAL].labels(model=model, outcome=outcome)
@@ -103,6 +109,7 @@ class MetricsExporter:
             ).observe(step_seconds)
             if stats.num_prefill_seqs > 0:
                 self._histograms[mn.BATCH_SIZE].labels(model=model, phase="prefill").observe(stats.num_prefill_seqs)
+                self._counters[mn.PREFILL_TOKENS_TOTAL].labels(model=model).inc(stats.num_prefill_tokens)
             if stats.num_decode_seqs > 0:
                 self._histograms[mn.BATCH_SIZE].labels(model=model, phase="decode").observe(stats.num_decode_seqs)
         for reason, groups in stats.admissions.items():
