@@ -154,8 +154,7 @@ RUNTIME_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         PREFILL_TOKENS_TOTAL,
         "counter",
-        "Prompt tokens run through the model in prefill steps (chunks and recomputation after a preemption "
-        "included).",
+        "Prompt tokens run through the model in prefill steps (chunks and recomputation after a preemption included).",
     ),
     MetricSpec(TAIL_MARKED_TOTAL, "counter", "Requests marked as tail requests."),
     MetricSpec(
