@@ -46,6 +46,7 @@ from batchpilot_runtime.engine.engine import Engine
 from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.model.batch import ForwardBatch
 from batchpilot_runtime.model.config import config_from_name, describe
+from batchpilot_runtime.model.kernels import BATCH_INVARIANT_ENV
 from batchpilot_runtime.model.kv_cache import PagedKVCache
 from batchpilot_runtime.model.model import LlamaModel
 from batchpilot_runtime.model.tokenizer import ByteTokenizer
@@ -459,9 +460,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-tokens", type=int, default=32_768, help="batchpilot KV capacity (default 32768)")
     parser.add_argument(
         "--batch-invariant",
-        choices=("on", "off"),
-        default="on",
-        help="batchpilot's batch-invariant GEMMs (on: the CPU default, token-exact batching; off: plain GEMMs)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batchpilot's batch-invariant kernels (token-exact batching, slower; default: off, the fastest\n"
+        f"kernels, unless {BATCH_INVARIANT_ENV}=1)",
     )
     parser.add_argument(
         "--clock",
@@ -486,14 +488,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.monotonic()
     config = config_from_name(args.preset)
-    model = LlamaModel.random(config, args.seed, "cpu", torch.float32, batch_invariant=args.batch_invariant == "on")
+    model = LlamaModel.random(config, args.seed, "cpu", torch.float32, batch_invariant=args.batch_invariant)
     jobs, scaling = make_jobs(args, config.vocab_size)
     prompt_tokens = [len(j.prompt) for j in jobs]
     output_tokens = [j.output_tokens for j in jobs]
     window = Window(target_batch_size=args.target_batch_size, hard_cap=args.hard_cap, max_wait_ms=args.max_wait_ms)
     print(
         f"model: {args.preset} ({config.num_parameters / 1e6:.1f} M parameters), cpu fp32, {args.threads} thread(s), "
-        f"batch-invariant {args.batch_invariant}"
+        f"batch-invariant {'on' if model.batch_invariant else 'off'}"
     )
     print(f"trace: {args.trace.name}, {len(jobs)} requests, scaling: {scaling.describe()}")
     print(
@@ -560,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dtype": "float32",
             "threads": args.threads,
             "clock": args.clock,
-            "batch_invariant": args.batch_invariant,
+            "batch_invariant": model.batch_invariant,
             "requests": len(jobs),
             "trace": str(args.trace.name),
             "scaling": scaling.as_dict(),

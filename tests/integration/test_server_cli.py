@@ -11,7 +11,7 @@ from batchpilot_runtime.cli.main import build_parser, main
 from batchpilot_runtime.cli.serve import config_from_args, env_name
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.server.config import parse_lane
-from batchpilot_runtime.server.runtime import load_admin_token
+from batchpilot_runtime.server.listen import load_admin_token
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -52,6 +52,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
         "LOG_LEVEL": "debug",
         "DEVICE": "cpu",
         "THREADS": "1",
+        "BATCH_INVARIANT": "1",
     }
     for key, value in env.items():
         monkeypatch.setenv(f"BATCHPILOT_{key}", value)
@@ -69,6 +70,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
     assert config.engine_stall_timeout_s == 45.0
     assert config.device == "cpu"
     assert config.threads == 1
+    assert config.batch_invariant is True
     # A flag on the command line wins over its variable.
     assert config_from_args(parse("--hard-cap", "6")).window.hard_cap == 6
 

@@ -72,6 +72,7 @@ def make_engine(
         max_queue=max_queue,
         observer=observer,
         lanes=lanes,
+        batch_invariant=True,  # test_concurrent_submits_get_their_own_tokens compares with alone, token for token
     )
 
 

@@ -49,6 +49,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batching", choices=("continuous", "static"), default="continuous")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked-prefill budget per step (default: none)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant kernels: each completion bitwise as if its prompt ran alone, at a cost in speed "
+        "(default: off, the fastest kernels; env BATCHPILOT_BATCH_INVARIANT=1 turns it on)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.set_defaults(handler=_cmd_generate)
 
@@ -92,6 +99,7 @@ def _build_engine(args: argparse.Namespace, prompt_count: int) -> tuple[Engine, 
         max_queue=max(prompt_count, 1),
         max_prefill_tokens_per_step=args.max_prefill_tokens,
         seed=args.seed,
+        batch_invariant=args.batch_invariant,
     )
     return engine, window
 
@@ -166,6 +174,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "device": str(engine.device),
         "window": window.describe(),
         "batching": args.batching,
+        "batch_invariant": engine.model.batch_invariant,
     }
     if args.json:
         json.dump({"completions": completions, "summary": summary}, sys.stdout, indent=2)

@@ -16,6 +16,7 @@ from typing import Any
 from batchpilot_runtime.cli.args import positive_int
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
+from batchpilot_runtime.model.kernels import BATCH_INVARIANT_ENV, resolve_batch_invariant
 
 ENV_PREFIX = "BATCHPILOT_"
 
@@ -70,6 +71,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=positive_int,
         help="torch intra-op threads on CPU (default: torch's choice; 1 when several runtimes share a small host)",
+    )
+    model.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant kernels: each request's tokens bitwise as if it ran alone, in any batch, at a cost "
+        f"in speed (default: off, the fastest kernels) [env {BATCH_INVARIANT_ENV}=1]",
     )
     _add(
         model,
@@ -178,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         device=args.device,
         threads=args.threads,
+        batch_invariant=resolve_batch_invariant(args.batch_invariant),
         ready_file=args.ready_file,
         drain_timeout_s=args.drain_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,

@@ -127,8 +127,8 @@ class Engine:
         safetensors directory, see ``model.sources``), tokenizer, KV cache
         (``kv_cache_tokens``, or on CUDA without it a fraction of free memory) and scheduler.
 
-        ``batch_invariant`` None keeps the model's default (on for CPU: token-exact batching at
-        about half the GEMM speed; off trades exactness across batch sizes for speed)."""
+        ``batch_invariant`` None: off unless BATCHPILOT_BATCH_INVARIANT is set (model/kernels.py);
+        on makes batching token-exact against each request alone, at a cost in speed."""
         torch_device, torch_dtype = pick_device(device, dtype)
         if checkpoint is not None:
             source = resolve_checkpoint(checkpoint)

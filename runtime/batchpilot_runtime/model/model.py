@@ -5,14 +5,14 @@ grouped-query attention, with the Hugging Face Llama weight naming for loading a
 decode tokens, flattened into T rows (batch.py). ``forward_dense`` is the cache-free reference for
 one sequence. Both run the same DecoderLayer.forward; only the attention passed in differs.
 
-Batch invariance (``batch_invariant``, on by default on CPU). A request must get exactly the tokens
-it would get alone, so no row's arithmetic may depend on the rest of the step. MKL sums a GEMM row
+Batch invariance (``batch_invariant``, an opt-in: kernels.py). With it a request gets exactly the
+tokens it would get alone, so no row's arithmetic may depend on the rest of the step. MKL sums a GEMM row
 differently for 1, 2-15 and >= 16 rows (and, when threaded, for other row counts too), so linear
 layers pad their rows to whole tiles of DEFAULT_ROW_TILE and run one GEMM per tile (one GEMM for all
 when single-threaded, where every row count >= 16 sums the same way), and attention is padded as
 attention.py describes. The result is bitwise equal logits for a sequence alone, in any batch, and
 with its prompt prefilled in any chunks (tests/unit/test_model.py). With the flag off, plain BLAS and
-SDPA are used (faster, equal up to rounding): the default on CUDA.
+SDPA are used (faster, equal up to rounding): the default on every device.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from batchpilot_runtime.model import checkpoint, gguf_checkpoint
 from batchpilot_runtime.model.attention import Attention, PagedAttention, dense_causal_attention, min_query_len
 from batchpilot_runtime.model.batch import ForwardBatch
 from batchpilot_runtime.model.config import INIT_STD, LlamaConfig
+from batchpilot_runtime.model.kernels import resolve_batch_invariant
 from batchpilot_runtime.model.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
@@ -112,16 +113,19 @@ class LlamaModel(nn.Module):
     """The decoder. ``forward(batch, kv)`` writes the step's K/V into the cache and returns
     fp32 logits for the rows in ``batch.logits_indices``.
 
-    ``batch_invariant`` (default: on for CPU) makes each request's arithmetic independent of
-    the rest of the batch; ``row_tile`` is the fixed row count per BLAS call in that mode.
+    ``batch_invariant`` makes each request's arithmetic independent of the rest of the batch
+    (None: kernels.resolve_batch_invariant, off unless BATCHPILOT_BATCH_INVARIANT is set);
+    ``row_tile`` is the fixed row count per BLAS call in that mode.
     """
 
-    def __init__(self, config: LlamaConfig, batch_invariant: bool = True, row_tile: int = DEFAULT_ROW_TILE) -> None:
+    def __init__(
+        self, config: LlamaConfig, batch_invariant: bool | None = None, row_tile: int = DEFAULT_ROW_TILE
+    ) -> None:
         super().__init__()
         if row_tile < 1:
             raise ValueError(f"row_tile: must be >= 1, got {row_tile}")
         self.config = config
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = resolve_batch_invariant(batch_invariant)
         self.row_tile = row_tile
         self.attention_scale = config.head_dim**-0.5
         self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
@@ -163,7 +167,7 @@ class LlamaModel(nn.Module):
     ) -> LlamaModel:
         """Weights drawn N(0, 0.02) on the CPU from ``seed`` (same weights on any device), norms at 1."""
         resolved = torch.device(device)
-        model = cls(config, batch_invariant=_default_invariance(resolved, batch_invariant))
+        model = cls(config, batch_invariant)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(seed)
         with torch.no_grad():
@@ -185,7 +189,7 @@ class LlamaModel(nn.Module):
         config = checkpoint.read_config(root)
         shards = checkpoint.shard_paths(root)
         resolved = torch.device(device)
-        model = cls(config, batch_invariant=_default_invariance(resolved, batch_invariant))
+        model = cls(config, batch_invariant)
         checkpoint.load_tensors(shards, hf_state_dict(model), config.tie_word_embeddings)
         return model.to(device=resolved, dtype=dtype).eval()
 
@@ -205,7 +209,7 @@ class LlamaModel(nn.Module):
         reader = reader if reader is not None else gguf_checkpoint.open_reader(file)
         config = gguf_checkpoint.read_config(reader, file)
         resolved = torch.device(device)
-        model = cls(config, batch_invariant=_default_invariance(resolved, batch_invariant))
+        model = cls(config, batch_invariant)
         gguf_checkpoint.load_tensors(reader, file, config, hf_state_dict(model))
         return model.to(device=resolved, dtype=dtype).eval()
 
@@ -266,10 +270,6 @@ class LlamaModel(nn.Module):
             hidden = layer(hidden, cos, sin, dense_causal_attention, F.linear)
         head = self.embed if self.lm_head is None else self.lm_head
         return F.linear(self.norm(hidden), head).float()
-
-
-def _default_invariance(device: torch.device, requested: bool | None) -> bool:
-    return requested if requested is not None else device.type == "cpu"
 
 
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:

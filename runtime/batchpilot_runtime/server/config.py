@@ -47,6 +47,7 @@ class ServeConfig:
     seed: int = 0
     device: str | None = None
     threads: int | None = None  # torch intra-op threads; None: torch's choice
+    batch_invariant: bool = False  # bitwise-equal logits in any batch (model/kernels.py), slower
     ready_file: Path | None = None
     drain_timeout_s: float = 600.0
     engine_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # pending requests without a step: /healthz fails

@@ -106,6 +106,7 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
         max_model_len=config.max_model_len,
         seed=config.seed,
         device=config.device,
+        batch_invariant=config.batch_invariant,
         observer=metrics,
     )
     async_engine = AsyncEngine(engine, stall_timeout_s=config.engine_stall_timeout_s)
