@@ -12,7 +12,9 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").
 
 def test_defaults_fill_a_minimal_spec() -> None:
     spec = parse_spec(make_spec_dict(tuning=None))
-    assert spec.tuning.mode.value == "adaptive"
+    assert spec.mode.value == "adaptive"
+    assert spec.tuning.mode is None  # unset: the engine's default applies
+    assert spec.engine.value == "batchpilot"
     assert spec.tuning.interval_seconds == 15
     assert spec.window.tail_mark_ratio == 2.0
     assert spec.batch_friendliness.value == "auto"

@@ -12,7 +12,7 @@ and are re-exported here (the ``X as X`` imports), so they import from either.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
 from pydantic_core import ErrorDetails
@@ -31,6 +31,9 @@ from batchpilot_runtime.contract.window import (
     Window,
     WindowFields,
 )
+
+
+_E = TypeVar("_E", bound=StrEnum)
 
 
 class Friendliness(StrEnum):
@@ -52,6 +55,24 @@ class TuningMode(StrEnum):
     ADAPTIVE = "adaptive"
     RECOMMEND = "recommend"
     STATIC = "static"
+
+
+class EngineKind(StrEnum):
+    """The serving engine of a profile's pods: whose metric names the operator reads, and how a window
+    reaches the engine (live through an admin API, or only by a restart with new flags)."""
+
+    BATCHPILOT = "batchpilot"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+# Engines whose batching knobs are start-up flags only: a new window needs a restart of the pod.
+RESTART_ONLY_ENGINES = frozenset({EngineKind.VLLM})
+
+
+def default_mode(engine: EngineKind) -> TuningMode:
+    """The mode of a profile that names none: recommend where applying a window costs a restart."""
+    return TuningMode.RECOMMEND if engine in RESTART_ONLY_ENGINES else TuningMode.ADAPTIVE
 
 
 class LabelSelectorRequirement(CamelModel):
@@ -160,11 +181,12 @@ class SLO(CamelModel):
 class Tuning(CamelModel):
     """How the operator tunes the window."""
 
-    mode: TuningMode = Field(
-        default=TuningMode.ADAPTIVE,
+    mode: TuningMode | None = Field(
+        default=None,
         description=(
             "adaptive: retune and push; recommend: compute and report in status but never push; "
-            "static: push spec.window as it is."
+            "static: push spec.window as it is. Unset: adaptive, or recommend for an engine that takes "
+            "a window only at start-up (vllm)."
         ),
     )
     interval_seconds: int = Field(
@@ -238,6 +260,10 @@ class RuntimeEndpoint(CamelModel):
     )
 
 
+# vLLM takes max_num_seqs and max_num_batched_tokens only as start-up flags; the restart path that would
+# apply a window by rolling the workload is not built, so a vLLM profile only recommends.
+VLLM_MODE_MESSAGE = "engine vllm supports only tuning.mode recommend (vLLM takes a window only at start-up)"
+
 _BATCH_PROFILE_RULES: list[JsonValue] = [
     {
         "rule": "self.window.targetBatchSize >= self.tuning.bounds.targetBatchSize.min && "
@@ -269,6 +295,11 @@ _BATCH_PROFILE_RULES: list[JsonValue] = [
         "rule": "!has(self.lanes) || self.lanes.all(l, l.reservedSlots <= self.window.hardCap)",
         "message": "lanes[].reservedSlots must not exceed window.hardCap",
     },
+    {
+        "rule": "!has(self.engine) || self.engine != 'vllm' || !has(self.tuning) || !has(self.tuning.mode) || "
+        "self.tuning.mode == 'recommend'",
+        "message": VLLM_MODE_MESSAGE,
+    },
 ]
 
 
@@ -280,7 +311,19 @@ class BatchProfileSpec(CamelModel):
     model: str = Field(
         min_length=1,
         max_length=253,
-        description="Model name, as the runtime reports it in the 'model' label of its metrics.",
+        description=(
+            "Model name, as the engine reports it in its metrics: the 'model' label of batchpilot's, "
+            "the 'model_name' label (the served model name) of vLLM's and SGLang's."
+        ),
+    )
+    engine: EngineKind = Field(
+        default=EngineKind.BATCHPILOT,
+        description=(
+            "The serving engine of the selected pods: batchpilot (this project's runtime; windows applied "
+            "live through its admin API), vllm (metrics read as vllm:*; windows only recommended, since "
+            "vLLM takes them only at start-up) or sglang (metrics read as sglang:*; the cap and the prefill "
+            "budget applied live through POST /set_internal_state where the server accepts them)."
+        ),
     )
     selector: LabelSelector = Field(
         description="Label selector of the runtime pods serving this model (same namespace)."
@@ -305,9 +348,22 @@ class BatchProfileSpec(CamelModel):
     @model_validator(mode="after")
     def _cross_field(self) -> BatchProfileSpec:
         problems = cross_field_problems(self.window, self.tuning.bounds, self.lanes)
+        problems.extend(engine_mode_problems(self.engine, self.tuning.mode))
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def mode(self) -> TuningMode:
+        """The tuning mode in force: tuning.mode, or the engine's default when it is unset."""
+        return self.tuning.mode or default_mode(self.engine)
+
+
+def engine_mode_problems(engine: EngineKind | None, mode: TuningMode | None) -> list[str]:
+    """The rule between spec.engine and spec.tuning.mode, as the CRD's CEL rule states it."""
+    if engine == EngineKind.VLLM and mode not in (None, TuningMode.RECOMMEND):
+        return [f"{VLLM_MODE_MESSAGE}; got tuning.mode {mode.value if mode else mode}"]
+    return []
 
 
 def cross_field_problems(window: WindowFields | None, bounds: WindowBounds | None, lanes: list[Lane]) -> list[str]:
@@ -525,7 +581,18 @@ def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
     bounds = _part(WindowBounds, tuning.get("bounds", {})) if isinstance(tuning, dict) else None
     raw_lanes = spec.get("lanes", [])
     parsed_lanes = [_part(Lane, raw) for raw in raw_lanes] if isinstance(raw_lanes, list) else []
-    return cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
+    problems = cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
+    engine = _enum_part(EngineKind, spec.get("engine", EngineKind.BATCHPILOT.value))
+    mode = _enum_part(TuningMode, tuning.get("mode")) if isinstance(tuning, dict) else None
+    return problems + engine_mode_problems(engine, mode)
+
+
+def _enum_part(enum: type[_E], value: Any) -> _E | None:
+    """``value`` as a member of ``enum``, or None when it is not one (its field error is reported anyway)."""
+    try:
+        return enum(value)
+    except ValueError:
+        return None
 
 
 def parse_spec(spec: Any) -> BatchProfileSpec:

@@ -246,7 +246,7 @@ class Controller:
         spec = record.spec
         if spec is None:
             return
-        if spec.tuning.mode == TuningMode.STATIC:
+        if spec.mode == TuningMode.STATIC:
             current = record.window
             if current is None or not current.fields_equal(spec.window):
                 self._number(record, Window.from_fields(spec.window, 1), past=current.generation if current else None)
@@ -404,11 +404,11 @@ class Controller:
         window = record.window
         if window is None:
             return
-        if spec.tuning.mode == TuningMode.STATIC:
+        if spec.mode == TuningMode.STATIC:
             decision = policy_mod.Decision(
                 window, "hold", "Static mode: the spec's window is pushed as it is.", record.policy_state
             )
-        elif spec.tuning.mode == TuningMode.RECOMMEND:
+        elif spec.mode == TuningMode.RECOMMEND:
             in_force = pods_window(record) or window
             decision = policy_mod.decide(spec, in_force, obs, record.policy_state, now_s)
             record.policy_state = decision.state
@@ -429,7 +429,7 @@ class Controller:
     ) -> None:
         """Record a decision in status, metrics, the log, ``on_decision`` and (when it is news) an Event."""
         direction: str = decision.direction
-        if spec.tuning.mode == TuningMode.RECOMMEND and decision.changed:
+        if spec.mode == TuningMode.RECOMMEND and decision.changed:
             direction = "recommend"
         previous = record.last_decision
         if previous is None or (previous.direction, previous.reason) != (direction, decision.reason):
@@ -449,7 +449,7 @@ class Controller:
         if decision.changed or direction == "recommend" or decision.reason != record.last_reason:
             # Holds that repeat the same reason are not re-posted: one Event per new reason, one per change.
             message = decision.reason
-            if decision.changed and spec.tuning.mode != TuningMode.RECOMMEND:
+            if decision.changed and spec.mode != TuningMode.RECOMMEND:
                 message = f"{decision.window.describe()}: {decision.reason}"
             elif direction == "recommend":
                 message = f"recommend {decision.window.describe()}: {decision.reason}"
@@ -485,8 +485,8 @@ class Controller:
 
     async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
         spec, window = record.spec, record.window
-        if spec is None or window is None or spec.tuning.mode == TuningMode.RECOMMEND:
-            if spec is not None and spec.tuning.mode == TuningMode.RECOMMEND:
+        if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
+            if spec is not None and spec.mode == TuningMode.RECOMMEND:
                 await self.syncer.read_pods(record, self.pods_of(record))
             record.push_pending = False
             return

@@ -37,7 +37,7 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
     pods = pods
     ready_pods = [p for p in pods if p.ready]
     window = record.window
-    recommend = spec.tuning.mode == TuningMode.RECOMMEND
+    recommend = spec.mode == TuningMode.RECOMMEND
     if recommend:
         shown = pods_window(record)
         synced_pods = [p for p in ready_pods if p.key in record.pod_states]

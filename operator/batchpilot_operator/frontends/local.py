@@ -121,7 +121,7 @@ def print_decision(out: TextIO, output: str = "text") -> Any:
     (``time``, ``profile``, ``model``, ``mode``, ``direction``, ``window``, ``reason``)."""
 
     def on_decision(record: ProfileRecord, decision: policy_mod.Decision) -> None:
-        mode = record.spec.tuning.mode.value if record.spec else "?"
+        mode = record.spec.mode.value if record.spec else "?"
         direction = decision.direction if mode != "recommend" or not decision.changed else "recommend"
         if output == "json":
             line = json.dumps(

@@ -16,7 +16,7 @@ from batchpilot_operator.tuning.moves import DEFAULT_CONFIG, PolicyConfig
 
 def unused_settings(spec: BatchProfileSpec, config: PolicyConfig = DEFAULT_CONFIG) -> list[str]:
     """One sentence per setting the policy will never use, naming the field (empty when none)."""
-    if spec.tuning.mode == TuningMode.STATIC:
+    if spec.mode == TuningMode.STATIC:
         return _static_bounds(spec)
     return [*_wait_over_slo_share(spec, config), *_cap_over_class_ceiling(spec), *_sizes_and_budget(spec)]
 
