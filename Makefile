@@ -46,7 +46,7 @@ crds: setup
 	$(BIN)/batchpilot-operator crd -o crds/batchpilot.dev_batchprofiles.yaml -o charts/batchpilot/crds/batchpilot.dev_batchprofiles.yaml -o deploy/base/crds/batchpilot.dev_batchprofiles.yaml
 
 docs: setup
-	$(BIN)/python scripts/update-readme-reference.py
+	$(BIN)/python scripts/update-reference-doc.py
 
 test: setup system-deps lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -16,7 +16,7 @@ Policies:
   GPUs of 70 GiB or more other than the A100, H100-class, get 1024 and 8192; "setting large
   max_num_batched_tokens for A100 reduces throughput", vLLM PR #17885);
 - ``best_static``: the best window in hindsight, searched over cap x budget (wait 0: under continuous
-  batching a wait only delays an admission into a step that runs anyway, see the README)
+  batching a wait only delays an admission into a step that runs anyway, see docs/policy.md)
   at this cell's own capacity;
 - ``tuned_elsewhere``: the best static window of the *other* replay applied here (a window tuned on
   one day and kept on another);

@@ -1,4 +1,4 @@
-"""Every command in the README runs as written.
+"""Every command in the README and in docs/ runs as written.
 
 Fenced blocks are tagged by what they need:
 - ```bash            run here, as written, from the project root (the venv's bin first on PATH), with
@@ -6,29 +6,34 @@ Fenced blocks are tagged by what they need:
                      token.txt) lands in a temporary copy of the root, not in the repository;
 - ```bash long       the main jobs (the demo, full benchmarks): too long for a test, so each command's
                      entry point is resolved and its arguments parsed by the real argparse parser;
-- ```bash cluster    needs a Kubernetes cluster: only checked to name known tools.
+- ```bash cluster    needs a Kubernetes cluster: checked to name known tools, to name files that exist,
+                     and to pass this project's own commands (also those run in its images) through
+                     the real parsers.
 The README's first two commands (`make demo`, `make test`) are the long/CI entry points.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(bash[^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def _commands(tag: str) -> list[str]:
+def _page_commands(page: Path, tag: str) -> list[str]:
     commands = []
-    for info, body in BLOCK.findall(README.read_text()):
+    for info, body in BLOCK.findall(page.read_text()):
         if info.strip() != tag:
             continue
         joined = body.replace("\\\n", " ")
@@ -37,6 +42,25 @@ def _commands(tag: str) -> list[str]:
             if line and not line.startswith("#"):
                 commands.append(line)
     return commands
+
+
+def _commands(tag: str) -> list[str]:
+    return [command for page in PAGES for command in _page_commands(page, tag)]
+
+
+def _cases(tag: str) -> list[Any]:
+    """One test case per command, named by its page."""
+    return [
+        pytest.param(command, id=f"{page.relative_to(ROOT)}: {command[:80]}")
+        for page in PAGES
+        for command in _page_commands(page, tag)
+    ]
+
+
+def test_the_pages_hold_commands() -> None:
+    # A renamed tag or a moved page would otherwise leave these tests with nothing to check.
+    assert len(PAGES) >= 10
+    assert _commands("bash") and _commands("bash long") and _commands("bash cluster")
 
 
 def test_the_readme_opens_with_the_two_commands() -> None:
@@ -61,14 +85,15 @@ def test_commands_need_no_variable_of_the_test_harness() -> None:
     assert "$BATCHPILOT_" not in "\n".join(_commands("bash") + _commands("bash long"))
 
 
-def test_files_a_long_command_reads_are_made_by_a_command_before_it() -> None:
-    made = {m for command in _commands("bash") for m in re.findall(r">\s*(\S+)$", command)}
-    for command in _commands("bash long"):
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_files_a_long_command_reads_are_made_by_a_command_on_its_page(page: Path) -> None:
+    made = {m for command in _page_commands(page, "bash") for m in re.findall(r">\s*(\S+)$", command)}
+    for command in _page_commands(page, "bash long"):
         for path in re.findall(r"(?:--admin-token-file |token-file=)(\S+?)(?:,|\s|$)", command):
-            assert path in made, f"{command}: nothing in the README creates {path}"
+            assert path in made, f"{command}: nothing on {page.name} creates {path}"
 
 
-@pytest.mark.parametrize("command", _commands("bash"))
+@pytest.mark.parametrize("command", _cases("bash"))
 def test_runnable_commands_succeed(command: str, tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -111,13 +136,26 @@ def _parse_with_real_parser(argv: list[str]) -> None:
         raise AssertionError(f"unknown long command: {argv}")
 
 
-@pytest.mark.parametrize("command", _commands("bash long"))
+@pytest.mark.parametrize("command", _cases("bash long"))
 def test_long_commands_parse(command: str) -> None:
     argv = shlex.split(re.sub(r"^[A-Z_]+=\S+\s+", "", command))
     _parse_with_real_parser(argv)
 
 
-@pytest.mark.parametrize("command", _commands("bash cluster"))
-def test_cluster_commands_name_known_tools(command: str) -> None:
-    tool = shlex.split(command)[0]
-    assert tool in {"helm", "kubectl", "kind", "k3d", "make", "batchpilot-operator"}, command
+CLUSTER_TOOLS = {"helm", "kubectl", "kind", "k3d", "docker", "make", "batchpilot-operator", "batchpilot-runtime"}
+
+
+@pytest.mark.parametrize("command", _cases("bash cluster"))
+def test_cluster_commands_name_known_tools_and_files(command: str) -> None:
+    argv = shlex.split(re.sub(r"^[A-Z_]+=\S+\s+", "", command))
+    assert argv[0] in CLUSTER_TOOLS, command
+    for flag, path in itertools.pairwise(argv):
+        if flag in ("-f", "--values", "-k") and not path.startswith(("-", "http")):
+            assert (ROOT / path).exists(), f"{command}: {path} does not exist"
+    if argv[0].startswith("batchpilot-"):
+        _parse_with_real_parser(argv)
+    if argv[:2] == ["kubectl", "run"] and "--" in argv:
+        # A command run in one of the images: its entry point is the image's CLI.
+        image = next(a.split("=", 1)[1] for a in argv if a.startswith("--image="))
+        cli = "batchpilot-runtime" if "runtime" in image else "batchpilot-operator"
+        _parse_with_real_parser([cli, *argv[argv.index("--") + 1 :]])

@@ -1,7 +1,7 @@
 """The BatchProfile field reference in Markdown, generated from the CRD schema.
 
-The README embeds this output between markers, and a test fails when it drifts,
-so the reference cannot disagree with the models.
+docs/reference.md embeds this output between markers (`make docs` rewrites it), and a test
+fails when it drifts, so the reference cannot disagree with the models.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "EngineHealth", "EngineWatchdog"]
 
 # The longest step the measured set-ups legitimately take, times three. A step prefills at most
-# min(prefill budget, KV cache) prompt tokens. On CPU (the `small` preset, README's calibration:
+# min(prefill budget, KV cache) prompt tokens. On CPU (the `small` preset, calibrated in docs/benchmarks.md:
 # 29.8 ms + 596 us per prompt token) whole prompts filling the default 65,536-token KV cache take
 # 29.8 ms + 65,536 x 596 us = 39 s; on an A100 with Llama-2-7B (cost_model.A100_LLAMA2_7B,
 # 61 us per prompt token) the largest budget a window may set, 262,144 tokens, takes 16 s.
