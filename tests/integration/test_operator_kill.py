@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -38,28 +37,11 @@ import pytest
 from batchpilot_runtime.contract import metric_names as rm
 from batchpilot_runtime.contract.window import Window
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, FakePod
-from tests.integration.kmock_cluster import (
-    PROFILES,
-    KubeCluster,
-    OperatorProcess,
-    free_port_on_all,
-    pod_body,
-    profile_body,
-    running_cluster,
-    wait_for,
-)
-from tests.integration.prometheus_process import (
-    PrometheusProcess,
-    ScrapeTarget,
-    prometheus_binary,
-    start_prometheus,
-)
+from tests.integration.kmock_cluster import KubeCluster, OperatorProcess, free_port_on_all, running_cluster, wait_for
+from tests.integration.prometheus_process import PrometheusProcess, ScrapeTarget, start_prometheus
+from tests.support import operator_e2e as e2e
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(prometheus_binary() is None, reason="prometheus not installed (scripts/system-deps.sh)"),
-]
+pytestmark = e2e.marks(timeout_s=300)
 
 POD_IP = "127.0.0.2"
 MODEL = "chat"
@@ -149,13 +131,6 @@ class ClosedLoopRuntime:
             last = now
 
 
-def decisions_total(metrics_text: str) -> float:
-    return sum(
-        float(m.group(1))
-        for m in re.finditer(r"^batchpilot_operator_decisions_total\{[^}]*\} ([0-9.e+]+)$", metrics_text, re.M)
-    )
-
-
 class Env:
     def __init__(self, cluster: KubeCluster, url: str, runtime: ClosedLoopRuntime, port: int, workdir: Path) -> None:
         self.cluster, self.url, self.runtime, self.port, self.workdir = cluster, url, runtime, port, workdir
@@ -165,18 +140,15 @@ class Env:
     def start_operator(self) -> OperatorProcess:
         assert self.prometheus is not None
         name = f"operator-{len(self.operators)}"
-        operator = OperatorProcess(
-            self.workdir / name, self.url, "-A", "--prometheus-url", self.prometheus.url, "--scrape-interval", "1",
-            "--interval-override", "1", "--tick", "0.25", "--peering", "off", name=name,
-        )  # fmt: skip
+        operator = e2e.start_operator(self.workdir / name, self.url, self.prometheus.url, interval_s=1, name=name)
         self.operators.append(operator)
         return operator
 
     def status(self) -> dict[str, Any]:
-        return dict((self.cluster.get(PROFILES, "ml", MODEL) or {}).get("status") or {})
+        return e2e.profile_status(self.cluster, "ml", MODEL)
 
     def condition(self, type_: str) -> dict[str, Any]:
-        return next((c for c in self.status().get("conditions", []) if c["type"] == type_), {})
+        return e2e.profile_condition(self.cluster, "ml", MODEL, type_)
 
     def in_force(self) -> dict[str, Any]:
         return {k: v for k, v in self.status().get("window", {}).items() if k != "appliedAt"}
@@ -185,7 +157,7 @@ class Env:
         return dict(self.runtime.pod.state.window.model_dump(by_alias=True))
 
     async def decisions(self, operator: OperatorProcess) -> float:
-        return decisions_total(await operator.metrics_text())
+        return await e2e.decisions_of(operator)
 
     async def wait_decisions(self, operator: OperatorProcess, count: float, what: str) -> None:
         async def reached() -> bool:
@@ -242,8 +214,7 @@ async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: 
     await wait_for(lambda: env.prometheus and env.prometheus.targets_up(), 60, "Prometheus to scrape the pod")
     api = httpx.AsyncClient(base_url=env.url, timeout=10)
     try:
-        body = pod_body("ml", "chat-0", {"app": MODEL}, POD_IP, ready=True)
-        assert (await api.post("/api/v1/namespaces/ml/pods", json=body)).status_code == 200
+        await e2e.add_ready_pod(api, "ml", "chat-0", {"app": MODEL}, POD_IP)
         first = env.start_operator()
         spec = {
             "model": MODEL,
@@ -256,9 +227,7 @@ async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: 
             "tuning": {"cooldownSeconds": 5},
             "runtime": {"adminPort": env.port, "servePort": env.port},
         }
-        response = await api.post("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles",
-                                  json=profile_body("ml", MODEL, spec))  # fmt: skip
-        assert response.status_code == 200, response.text
+        await e2e.add_profile(api, "ml", MODEL, spec)
 
         # 0. The pod runs cap 64, preempts, and the operator lowers the cap under what the KV cache holds.
         def learned() -> dict[str, Any] | None:

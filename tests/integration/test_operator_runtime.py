@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -29,24 +28,12 @@ import pytest
 
 from batchpilot_runtime.replay.loadgen import Endpoint, run_load
 from batchpilot_runtime.replay.trace import TraceRequest
-from tests.integration.kmock_cluster import (
-    PROFILES,
-    KubeCluster,
-    OperatorProcess,
-    free_port_on_all,
-    pod_body,
-    profile_body,
-    running_cluster,
-    wait_for,
-)
-from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
+from tests.integration.kmock_cluster import KubeCluster, OperatorProcess, free_port_on_all, running_cluster, wait_for
+from tests.integration.prometheus_process import ScrapeTarget, start_prometheus
 from tests.integration.runtime_process import RuntimeProcess, start_runtime_process
+from tests.support import operator_e2e as e2e
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(420),
-    pytest.mark.skipif(prometheus_binary() is None, reason="prometheus not installed (scripts/system-deps.sh)"),
-]
+pytestmark = e2e.marks(timeout_s=420)
 
 POD_IPS = ("127.0.0.2", "127.0.0.3")
 MODEL = "tiny-chat"
@@ -77,13 +64,6 @@ STEP_MAX_REQUESTS = 6000
 def steady_trace(rate_per_s: float, duration_s: float, prompt_tokens: int, output_tokens: int) -> list[TraceRequest]:
     count = int(rate_per_s * duration_s)
     return [TraceRequest(i / rate_per_s, prompt_tokens, output_tokens) for i in range(count)]
-
-
-def decisions_total(metrics_text: str) -> float:
-    return sum(
-        float(m.group(1))
-        for m in re.finditer(r"^batchpilot_operator_decisions_total\{[^}]*\} ([0-9.e+]+)$", metrics_text, re.M)
-    )
 
 
 @pytest.fixture
@@ -169,11 +149,11 @@ def stop_step(process: subprocess.Popen[bytes]) -> None:
 
 
 def status_of(cluster: KubeCluster) -> dict[str, Any]:
-    return dict((cluster.get(PROFILES, "ml", "chat") or {}).get("status") or {})
+    return e2e.profile_status(cluster, "ml", "chat")
 
 
 def cond(cluster: KubeCluster, type_: str) -> dict[str, Any]:
-    return next((c for c in status_of(cluster).get("conditions", []) if c["type"] == type_), {})
+    return e2e.profile_condition(cluster, "ml", "chat", type_)
 
 
 async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
@@ -197,12 +177,10 @@ async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
     try:
         await wait_for(lambda: prometheus.targets_up(), 60, "Prometheus to scrape both runtimes")
         for i, ip in enumerate(POD_IPS):
-            body = pod_body("ml", f"chat-{i}", {"app": "chat"}, ip, ready=True)
-            assert (await api.post("/api/v1/namespaces/ml/pods", json=body)).status_code == 200
-        operator = OperatorProcess(
-            tmp_path / "operator", url, "-A", "--admin-token-file", str(token_file), "--admin-token-namespace", "ml",
-            "--prometheus-url", prometheus.url, "--scrape-interval", "1", "--interval-override", str(INTERVAL_S),
-            "--tick", "0.25", "--peering", "off",
+            await e2e.add_ready_pod(api, "ml", f"chat-{i}", {"app": "chat"}, ip)
+        operator = e2e.start_operator(
+            tmp_path / "operator", url, prometheus.url, "--admin-token-file", str(token_file),
+            "--admin-token-namespace", "ml", interval_s=INTERVAL_S,
         )  # fmt: skip
         spec = {
             "model": MODEL,
@@ -212,9 +190,7 @@ async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
             "tuning": {"cooldownSeconds": 0, "maxStepFraction": 0.5},
             "runtime": {"adminPort": admin_port, "servePort": serve_port},
         }
-        response = await api.post("/apis/batchpilot.dev/v1alpha1/namespaces/ml/batchprofiles",
-                                   json=profile_body("ml", "chat", spec))  # fmt: skip
-        assert response.status_code == 200, response.text
+        await e2e.add_profile(api, "ml", "chat", spec)
 
         # 1. Both runtimes get the profile's window.
         await wait_for(lambda: cond(kube, "Synced").get("status") == "True", 60, "both pods synced")
@@ -244,7 +220,7 @@ async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
         #    interval whose observation has P99 over the SLO; the status carries both in one patch.
         await wait_for(lambda: status_of(kube).get("observed", {}).get("p99Ms", 0) > slo_ms, 120,
                        f"P99 over the SLO ({slo_ms:.0f} ms) under {step}")  # fmt: skip
-        decisions_at_first_miss = decisions_total(await operator.metrics_text())
+        decisions_at_first_miss = await e2e.decisions_of(operator)
 
         def lowered() -> bool:
             # Lowered = a smaller target or a shorter wait than before the step (the policy may raise the
@@ -256,7 +232,7 @@ async def test_load_step_over_slo_lowers_the_window_and_everything_agrees(
             )
 
         await wait_for(lowered, 120, "a lowered window")
-        decisions_at_down = decisions_total(await operator.metrics_text())
+        decisions_at_down = await e2e.decisions_of(operator)
         # The first over-SLO interval counts as one: the lowering comes within it or the next two.
         assert decisions_at_down - decisions_at_first_miss <= 2, (decisions_at_first_miss, decisions_at_down)
         status = status_of(kube)

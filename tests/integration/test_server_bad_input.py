@@ -14,11 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from batchpilot_runtime.contract.admin_api import AdminError, WindowState, WindowUpdate
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
+from tests.support.server_fuzzing import (  # noqa: F401  (the runtime and serve fixtures)
+    FUZZ_SETTINGS,
+    check_named_refusal,
+    json_values,
+    runtime_fixture,
+    serve_fixture,
+)
 
 INT64_MAX = 2**63 - 1
 DIGITS_5000 = "9" * 5000
@@ -45,20 +52,6 @@ def to_json(value: Any) -> str:
 
 def nested(depth: int) -> str:
     return "[" * depth + "]" * depth
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadRuntime]:
-    with runtime_thread(
-        tmp_path_factory.mktemp("bad-input"), target_batch_size=1, hard_cap=8, max_wait_ms=0, max_model_len=512
-    ) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def serve(runtime: ThreadRuntime) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=runtime.serve_url, timeout=60.0) as http:
-        yield http
 
 
 @pytest.fixture(scope="module")
@@ -264,12 +257,7 @@ def test_runtime_is_whole_after_bad_input(runtime: ThreadRuntime, serve: httpx.C
 
 # -- requests generated from the apps' OpenAPI schemas ----------------------------------------------
 
-JSON_SCALARS = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
-JSON_VALUES = st.recursive(
-    JSON_SCALARS,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=8,
-)
+JSON_VALUES = json_values(text_size=12, key_size=8, collection_size=4, max_leaves=8)
 REFUSED_LITERALS = st.sampled_from(
     [
         Raw(DIGITS_5000),
@@ -422,9 +410,6 @@ def _operations(client: httpx.Client) -> list[Operation]:
     return operations
 
 
-FUZZ_SETTINGS = settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
 CONTENT_TYPE_HEADERS = st.sampled_from(
     [{"content-type": "application/json"}] * 4 + [{"content-type": t} for t in CONTENT_TYPES[1:]] + [{}]
 )
@@ -461,9 +446,7 @@ def test_serving_schema_requests_end_in_a_result_or_an_explicit_error(
     elif response.status_code == 200:
         _check_completion(response, payload)
     else:
-        error = json.loads(payload)["error"]
-        assert error["message"]
-        assert error["param"] is not None, error
+        check_named_refusal(payload)
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,21 @@ is wrong, and the server stays ready afterwards."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from batchpilot_runtime.contract.admin_api import LANE_HEADER
-from tests.integration.runtime_process import ThreadRuntime, runtime_thread
+from tests.support.server_fuzzing import (  # noqa: F401  (the runtime and serve fixtures)
+    FUZZ_SETTINGS,
+    check_named_refusal,
+    runtime_fixture,
+    serve_fixture,
+)
+from tests.support.server_fuzzing import json_values as arbitrary_json
 
 FIELDS = (
     "model",
@@ -35,26 +40,7 @@ FIELDS = (
 )
 
 
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadRuntime]:
-    with runtime_thread(
-        tmp_path_factory.mktemp("fuzz"), target_batch_size=1, hard_cap=8, max_wait_ms=0, max_model_len=512
-    ) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def client(runtime: ThreadRuntime) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=runtime.serve_url, timeout=60.0) as http:
-        yield http
-
-
-scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=30)
-json_values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
-    max_leaves=15,
-)
+json_values = arbitrary_json(text_size=30, key_size=10, collection_size=5, max_leaves=15)
 # Values near each field's domain, so that most bodies get past the first check and probe the next.
 field_values: dict[str, st.SearchStrategy[Any]] = {
     "model": st.sampled_from(["tiny-test", "", "other"]) | json_values,
@@ -136,18 +122,14 @@ def _check_result_or_named_error(response: httpx.Response, payload: bytes) -> No
         else:
             assert json.loads(payload)["choices"][0]["finish_reason"] in ("length", "stop")
     else:
-        error = json.loads(payload)["error"]
-        assert error["message"]
-        assert error["param"] is not None, error
+        check_named_refusal(payload)
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
+@settings(FUZZ_SETTINGS, max_examples=150)
 @given(body=bodies, extra_headers=headers)
-def test_fuzzed_bodies_never_5xx(client: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
-    with client.stream("POST", "/v1/completions", content=body, headers=extra_headers) as response:
+def test_fuzzed_bodies_never_5xx(serve: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
+    with serve.stream("POST", "/v1/completions", content=body, headers=extra_headers) as response:
         payload = _read(response)
     event(f"status {response.status_code}")
     _check_result_or_named_error(response, payload)
@@ -212,28 +194,26 @@ chat_bodies = st.one_of(
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
+@settings(FUZZ_SETTINGS, max_examples=150)
 @given(body=chat_bodies, extra_headers=headers)
-def test_fuzzed_chat_bodies_never_5xx(client: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
-    with client.stream("POST", "/v1/chat/completions", content=body, headers=extra_headers) as response:
+def test_fuzzed_chat_bodies_never_5xx(serve: httpx.Client, body: bytes, extra_headers: dict[str, str]) -> None:
+    with serve.stream("POST", "/v1/chat/completions", content=body, headers=extra_headers) as response:
         payload = _read(response)
     event(f"status {response.status_code}")
     _check_result_or_named_error(response, payload)
 
 
-def test_server_is_still_ready_after_fuzzing(client: httpx.Client) -> None:
+def test_server_is_still_ready_after_fuzzing(serve: httpx.Client) -> None:
     # Runs after the fuzz test in file order; on its own it checks a fresh server, which must also hold.
-    assert client.get("/readyz").json() == {"ready": True}
-    response = client.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 4})
+    assert serve.get("/readyz").json() == {"ready": True}
+    response = serve.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 4})
     assert response.status_code == 200
-    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    chat = serve.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat.status_code == 200
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
-def test_wrong_method_or_path_is_4xx(client: httpx.Client, method: str) -> None:
-    assert 400 <= client.request(method, "/v1/completions").status_code < 500
-    assert 400 <= client.request(method, "/v1/chat/completions").status_code < 500
-    assert client.request(method, "/v1/nothing-here").status_code == 404
+def test_wrong_method_or_path_is_4xx(serve: httpx.Client, method: str) -> None:
+    assert 400 <= serve.request(method, "/v1/completions").status_code < 500
+    assert 400 <= serve.request(method, "/v1/chat/completions").status_code < 500
+    assert serve.request(method, "/v1/nothing-here").status_code == 404

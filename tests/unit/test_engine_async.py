@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
-import torch
 
 from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState, WindowUpdate
 from batchpilot_runtime.contract.window import Window
@@ -24,10 +22,8 @@ from batchpilot_runtime.engine.types import (
     TokenEvent,
 )
 from batchpilot_runtime.scheduling.types import RequestTimings, StepStats
-
-VOCAB = 320
-KV_TOKENS = 64 * 16  # 64 blocks: the largest hardCap this engine accepts
-DEADLINE_S = 60.0
+from tests.support.tiny_engine import KV_TOKENS, VOCAB, tiny_engine, wait_until
+from tests.support.torch_fixtures import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 
 class Recorder:
@@ -49,26 +45,14 @@ class Recorder:
         self.windows.append(state)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_engine(
     window: Window | None = None,
     max_queue: int = 64,
     observer: Recorder | None = None,
     lanes: dict[str, LaneWindow] | None = None,
 ) -> Engine:
-    return Engine.build(
-        model_name="tiny",
-        preset="tiny",
-        seed=0,
-        window=window or Window(target_batch_size=4, hard_cap=16, max_wait_ms=0),
-        kv_cache_tokens=KV_TOKENS,
+    return tiny_engine(
+        window or Window(target_batch_size=4, hard_cap=16, max_wait_ms=0),
         max_queue=max_queue,
         observer=observer,
         lanes=lanes,
@@ -90,15 +74,6 @@ async def collect(events: AsyncIterator[TokenEvent]) -> tuple[list[int], TokenEv
         if event.finish_reason is not None:
             return tokens, event
     raise AssertionError("the stream ended without a final event")
-
-
-async def wait_until(condition: object, what: str) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

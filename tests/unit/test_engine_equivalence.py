@@ -11,22 +11,22 @@ changed mid-run, and static batching.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from batchpilot_runtime.contract.admin_api import WindowState
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.engine import Engine
 from batchpilot_runtime.engine.types import GenerationRequest, TokenEvent
 from batchpilot_runtime.scheduling.types import RequestTimings, StepStats
+from tests.support.tiny_engine import VOCAB, tiny_engine
+from tests.support.torch_fixtures import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 48
-VOCAB = 320  # the tiny preset's
 STEP_S = 0.001
 MAX_STEPS = 5_000
 
@@ -90,11 +90,8 @@ def make_engine(
     observer: Recorder | None = None,
 ) -> tuple[Engine, StepClock]:
     clock = StepClock()
-    engine = Engine.build(
-        model_name="tiny",
-        preset="tiny",
-        seed=0,
-        window=window or Window(target_batch_size=8, hard_cap=32, max_wait_ms=0),
+    engine = tiny_engine(
+        window or Window(target_batch_size=8, hard_cap=32, max_wait_ms=0),
         kv_cache_tokens=kv_cache_tokens,
         batching="static" if batching == "static" else "continuous",
         max_prefill_tokens_per_step=max_prefill_tokens_per_step,
@@ -133,15 +130,6 @@ def run_to_completion(
     for request in requests:
         assert len(tokens[request.request_id]) == request.max_tokens
     return tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared 2-core machine a second one mostly spins waiting for a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,19 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.async_engine import AsyncEngine
-from batchpilot_runtime.engine.engine import Engine
 from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
+from tests.support.tiny_engine import DEADLINE_S, tiny_engine, wait_until
+from tests.support.torch_fixtures import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 TIMEOUT_S = 60.0
-DEADLINE_S = 60.0  # real time allowed for the engine thread to reach a state; never asserted on
 
 
 def make_watchdog(now_s: float = 0.0, timeout_s: float = TIMEOUT_S) -> EngineWatchdog:
@@ -142,31 +140,9 @@ class HangingModel:
         return self.model(*args)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_engine(clock: FakeClock, window: Window) -> Engine:
-    return Engine.build(
-        model_name="tiny", preset="tiny", seed=0, window=window, kv_cache_tokens=1024, clock=clock, device="cpu"
-    )
-
-
-async def wait_until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_a_hung_step_stalls_the_engine_until_it_returns(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
-    engine = make_engine(clock, Window(target_batch_size=1, hard_cap=4, max_wait_ms=0))
+    engine = tiny_engine(Window(target_batch_size=1, hard_cap=4, max_wait_ms=0), clock=clock, device="cpu")
     hanging = HangingModel(engine.model)
     monkeypatch.setattr(engine, "model", hanging)
     running = AsyncEngine(engine, stall_timeout_s=TIMEOUT_S)
@@ -194,7 +170,7 @@ async def test_a_hung_step_stalls_the_engine_until_it_returns(monkeypatch: pytes
 async def test_waiting_for_the_admission_deadline_is_not_a_stall() -> None:
     clock = FakeClock()
     # One request, a target of 4: the engine sleeps towards the 60 s wait deadline.
-    engine = make_engine(clock, Window(target_batch_size=4, hard_cap=4, max_wait_ms=60_000))
+    engine = tiny_engine(Window(target_batch_size=4, hard_cap=4, max_wait_ms=60_000), clock=clock, device="cpu")
     running = AsyncEngine(engine, stall_timeout_s=1.0)
     timeouts: list[float | None] = []
     idle_timeout_s = running._idle_timeout_s
