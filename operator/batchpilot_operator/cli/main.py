@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from batchpilot_operator import __version__
 from batchpilot_operator.cli.env import EnvParser
+from batchpilot_runtime.cli.command import run_command
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -55,8 +56,6 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     sys.stdout.write(render_reference())
     return 0
 
-
-Handler = Callable[[argparse.Namespace], int]
 
 # Modules that each define ``register(subparsers)`` adding their own subcommand;
 # they import their heavy dependencies inside the handler, so --help stays fast.
@@ -103,16 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handler: Handler = args.handler
-    try:
-        return handler(args)
-    except KeyboardInterrupt:
-        return 130
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        print(f"batchpilot-operator {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv, user_errors=(yaml.YAMLError,))
 
 
 if __name__ == "__main__":

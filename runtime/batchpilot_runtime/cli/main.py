@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from batchpilot_runtime import __version__
-
-Handler = Callable[[argparse.Namespace], int]
+from batchpilot_runtime.cli.command import run_command
 
 # Modules that each define ``register(subparsers)`` adding their own subcommand;
 # they import torch and the web stack inside the handler, so --help stays fast.
@@ -54,16 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handler: Handler = args.handler
-    try:
-        return handler(args)
-    except KeyboardInterrupt:
-        return 130
-    except (OSError, ValueError) as error:
-        print(f"batchpilot-runtime {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":
