@@ -32,7 +32,6 @@ from batchpilot_runtime.contract.window import (
     WindowFields,
 )
 
-
 _E = TypeVar("_E", bound=StrEnum)
 
 

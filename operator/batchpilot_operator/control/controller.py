@@ -364,7 +364,11 @@ class Controller:
         metrics_error: str | None = None
         collect_started = self._mono()
         try:
-            metrics = await self.source.collect(targets)
+            engines = sorted({record.spec.engine.value for record in due if record.spec is not None})
+            # batchpilot alone is every source's default: sources that know no other engine need not take it.
+            metrics = await (
+                self.source.collect(targets) if engines == ["batchpilot"] else self.source.collect(targets, engines)
+            )
         except MetricsUnavailable as error:
             metrics_error = str(error)
             self.metrics.query_errors.labels(query="all").inc()

@@ -23,10 +23,11 @@ import asyncio
 import concurrent.futures
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, FOREIGN_ENGINES, EngineMetricNames
 from batchpilot_operator.io.observe import (
     LATENCY_HISTOGRAMS,
     RATE_COUNTERS,
@@ -58,11 +59,68 @@ def _tag(expr: str, series: str) -> str:
     return f'label_replace({expr}, "{SERIES_LABEL}", "{series}", "", "")'
 
 
-def build_queries(window_s: int, namespace_label: str | None = DEFAULT_NAMESPACE_LABEL) -> dict[str, str]:
-    """The grouped queries of one interval, by name. Every metric name comes from the runtime's contract.
+def _as_model(expr: str, model_label: str) -> str:
+    """An engine's model label copied to ``model``, the label every answer is parsed by."""
+    if model_label == rm.LABEL_MODEL:
+        return expr
+    return f'label_replace({expr}, "{rm.LABEL_MODEL}", "$1", "{model_label}", "(.+)")'
+
+
+def _newest_first(template: str, names: Sequence[str]) -> str:
+    """``template`` (with ``{}`` for a name) over several names of one metric joined by ``or``: where two
+    names carry the same labels (rate() and sum() drop the name), the newer name's series is the one kept."""
+    return " or ".join(template.format(name) for name in names)
+
+
+def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str) -> tuple[list[str], ...]:
+    """One foreign engine's sub-expressions of the latency, rates and gauges queries, tagged like batchpilot's."""
+    by = f"{namespace_label}, {names.model_label}" if namespace_label else names.model_label
+    latency = []
+    for slo_name, histograms in names.latency.items():
+        buckets = f"sum by ({by}, le) ({_newest_first('rate({}_bucket' + w + ')', histograms)})"
+        for q in QUANTILES:
+            quantile = f"histogram_quantile({q}, {buckets})"
+            tagged = f'label_replace({_tag(quantile, slo_name)}, "{QUANTILE_LABEL}", "{q}", "", "")'
+            latency.append(_as_model(tagged, names.model_label))
+        count = f"sum by ({by}) ({_newest_first('rate({}_count' + w + ')', histograms)})"
+        latency.append(_as_model(_tag(count, f"{slo_name}{COUNT_SUFFIX}"), names.model_label))
+    rates = [
+        _as_model(_tag(f"sum by ({by}) (rate({counter}{w}))", series), names.model_label)
+        for series, counter in names.counters.items()
+    ]
+    aggregation = {"queue_depth": "sum", "running": "sum", "kv_usage": "max"}
+    gauges = [
+        _as_model(_tag(f"{aggregation[series]} by ({by}) ({_newest_first('{}', gauge)})", series), names.model_label)
+        for series, gauge in names.gauges.items()
+    ]
+    gauges.append(_as_model(_tag(f"count by ({by}) ({names.pods_gauge})", "pods"), names.model_label))
+    return latency, rates, gauges
+
+
+def build_queries(
+    window_s: int,
+    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
+    engines: Collection[str] = (BATCHPILOT,),
+) -> dict[str, str]:
+    """The grouped queries of one interval, by name: three, whatever the number of profiles and engines.
+    batchpilot's names come from the runtime's contract, vLLM's and SGLang's from
+    :mod:`batchpilot_operator.io.engine_metrics`; each engine in ``engines`` adds its sub-expressions.
 
     ``namespace_label`` None groups by model alone (local mode matches profiles by model).
     """
+    queries = _batchpilot_queries(window_s, namespace_label) if BATCHPILOT in engines else {}
+    w = f"[{window_s}s]"
+    for engine in sorted(set(engines) - {BATCHPILOT}):
+        names = FOREIGN_ENGINES.get(engine)
+        if names is None:
+            raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        for name, parts in zip(("latency", "rates", "gauges"), _foreign_parts(names, namespace_label, w), strict=True):
+            queries[name] = " or ".join([queries[name], *parts] if name in queries else parts)
+    return queries
+
+
+def _batchpilot_queries(window_s: int, namespace_label: str | None) -> dict[str, str]:
+    """batchpilot's own sub-expressions of the three queries (it alone exports step times and admissions)."""
     by = f"{namespace_label}, {rm.LABEL_MODEL}" if namespace_label else rm.LABEL_MODEL
     w = f"[{window_s}s]"
     # Prometheus computes the quantiles (a few series per model, not a whole histogram's buckets).
@@ -230,14 +288,17 @@ class PrometheusSource:
             raise MetricsUnavailable(f"Prometheus answered a {type(result).__name__}, not a vector")
         return result
 
-    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]:
+    async def collect(
+        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = (BATCHPILOT,)
+    ) -> dict[ModelKey, ModelMetrics]:
         """Run the grouped queries concurrently; raise MetricsUnavailable naming the cause on any failure.
 
-        ``targets`` is ignored: the queries cover every model at once.
+        ``targets`` is ignored: the queries cover every model at once; ``engines``: the engine kinds of the
+        due profiles, whose names the queries read.
         """
         del targets
         loop = asyncio.get_running_loop()
-        queries = build_queries(self.window_s, self.namespace_label)
+        queries = build_queries(self.window_s, self.namespace_label, engines)
         started = time.monotonic()
         futures = {name: loop.run_in_executor(self._pool, self._query, expr) for name, expr in queries.items()}
         self.queries_total += len(futures)

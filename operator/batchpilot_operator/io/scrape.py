@@ -19,12 +19,19 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from batchpilot_operator.io.exposition import SeriesKey, bucket_bound, counter_increase, parse_exposition
+from batchpilot_operator.io.engine_metrics import ExposedSeries, exposed_names
+from batchpilot_operator.io.exposition import (
+    BUCKET_SUFFIX,
+    SeriesKey,
+    bucket_bound,
+    counter_increase,
+    parse_exposition,
+)
 from batchpilot_operator.io.observe import (
     LATENCY_HISTOGRAMS,
     RATE_COUNTERS,
@@ -52,9 +59,11 @@ class Scrape:
 
 
 def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: MetricsBuilder, namespace: str = "") -> None:
-    """Add one pod's rates (increase over the span / span) and gauges to ``builder``."""
+    """Add one pod's rates (increase over the span / span) and gauges to ``builder``, whichever engine
+    exported them (batchpilot's names, or vLLM's and SGLang's from :mod:`.engine_metrics`)."""
     span_s = current.at_s - oldest.at_s if oldest is not None else 0.0
     previous = oldest.series if oldest is not None else {}
+    _foreign_from_scrapes(current, previous, span_s, builder, namespace)
     for (name, label_items), value in current.series.items():
         labels = dict(label_items)
         model = labels.get(rm.LABEL_MODEL)
@@ -86,6 +95,58 @@ def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: Metric
                 builder.add_rate(key, f"{prefix}step_sum", rate, bucket)
             elif name == f"{rm.STEP_SECONDS}_count":
                 builder.add_rate(key, f"{prefix}step_count", rate, bucket)
+
+
+_FOREIGN = exposed_names()
+
+
+def _foreign_name(name: str) -> tuple[ExposedSeries, float | None] | None:
+    """What an exposed sample of vLLM or SGLang feeds, and its bucket's ``le`` marker (NaN: a bucket)."""
+    if name in _FOREIGN and _FOREIGN[name].kind != "latency":
+        return _FOREIGN[name], None
+    if name.endswith(BUCKET_SUFFIX) and (found := _FOREIGN.get(name.removesuffix(BUCKET_SUFFIX))) is not None:
+        return (found, math.nan) if found.kind == "latency" else None
+    return None
+
+
+def _foreign_from_scrapes(
+    current: Scrape, previous: Mapping[SeriesKey, float], span_s: float, builder: MetricsBuilder, namespace: str
+) -> None:
+    """vLLM's and SGLang's series of one pod, by their tables; where a pod exports a metric under two
+    names (a rename in progress), the newer name alone is read."""
+    newest: dict[tuple[str, str, str], int] = {}
+    for name, _ in current.series:
+        if (found := _foreign_name(name)) is not None:
+            exposed = found[0]
+            metric = (exposed.engine.engine, exposed.kind, exposed.series)
+            newest[metric] = min(newest.get(metric, exposed.rank), exposed.rank)
+    for (name, label_items), value in current.series.items():
+        found = _foreign_name(name)
+        if found is None or not math.isfinite(value):
+            continue
+        exposed, bucket = found
+        if exposed.rank != newest[(exposed.engine.engine, exposed.kind, exposed.series)]:
+            continue
+        labels = dict(label_items)
+        model = labels.get(exposed.engine.model_label)
+        if not model:
+            continue
+        key = (namespace, model)
+        if exposed.kind == "gauge":
+            builder.add_gauge(key, exposed.series, value)
+            if name == exposed.engine.pods_gauge:
+                builder.add_gauge(key, "pods", 1.0)
+            continue
+        if span_s <= 0:
+            continue  # a first scrape: no rates yet
+        rate = counter_increase(value, previous.get((name, label_items))) / span_s
+        if bucket is not None:
+            try:
+                builder.add_bucket(key, exposed.series, float(labels.get("le", "nan")), rate)
+            except ValueError:
+                continue
+        else:
+            builder.add_rate(key, exposed.series, rate)
 
 
 class ScrapeSource:
@@ -130,9 +191,13 @@ class ScrapeSource:
         history.append(current)
         return oldest
 
-    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]:
+    async def collect(
+        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = ()
+    ) -> dict[ModelKey, ModelMetrics]:
         """Scrape every URL of every key concurrently. Unreachable pods are left out; when no pod
-        answers at all the whole collection is unavailable."""
+        answers at all the whole collection is unavailable. ``engines`` is not needed: each exposed
+        name says which engine's it is."""
+        del engines
         urls = sorted({(key, url) for key, key_urls in targets.items() for url in key_urls})
         results = await asyncio.gather(*(self._scrape(url) for _, url in urls), return_exceptions=True)
         self.scrapes_total += len(urls)

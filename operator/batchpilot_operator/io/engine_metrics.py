@@ -1,0 +1,141 @@
+"""Each engine's own metric names for what the policy observes.
+
+Both metric sources read a vLLM or SGLang pod through these tables and feed the
+same :class:`~batchpilot_operator.io.observe.MetricsBuilder` series as for
+batchpilot's runtime, so one builder (:func:`~batchpilot_operator.io.observe.to_observations`)
+makes the policy's observations for every engine. What an engine does not
+export (step times per batch size, admissions by reason, tail marks) stays
+unknown, and the policy's rules that need it do not fire.
+
+Names are checked against the engines' sources; where a release renamed a
+metric, the older name follows the newer one and is read only where the newer
+is absent (vLLM >= 0.11 exports both for a while).
+
+vLLM, ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``): labels
+``model_name`` (the served model name) and ``engine`` (the data-parallel rank);
+histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
+(before 0.11 ``vllm:time_per_output_token_seconds``, hidden in 0.12),
+``vllm:request_queue_time_seconds``, ``vllm:e2e_request_latency_seconds``;
+gauges ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` (a 0..1 ratio despite its name; before 0.9
+``vllm:gpu_cache_usage_perc``); counters ``vllm:request_success`` (label
+``finished_reason``), ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
+``vllm:num_preemptions``, each exposed with prometheus_client's ``_total``.
+
+SGLang, ``python/sglang/srt/metrics/collector.py``: label ``model_name`` (the
+served model name; the scheduler adds ``engine_type``, ``tp_rank``, ``pp_rank``,
+``moe_ep_rank``); ``TokenizerMetricsCollector``: histograms
+``sglang:time_to_first_token_seconds``, ``sglang:inter_token_latency_seconds``,
+``sglang:e2e_request_latency_seconds``, counters ``sglang:num_requests_total``,
+``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``;
+``SchedulerMetricsCollector``: gauges ``sglang:num_queue_reqs``,
+``sglang:num_running_reqs``, ``sglang:token_usage`` (KV tokens in use / pool,
+0..1), histogram ``sglang:queue_time_seconds``, counter
+``sglang:num_retracted_requests_total`` (SGLang's preemption: a running request
+retracted when the KV pool runs out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from batchpilot_operator.io.observe import INTER_TOKEN
+
+BATCHPILOT = "batchpilot"
+VLLM = "vllm"
+SGLANG = "sglang"
+
+
+@dataclass(frozen=True)
+class EngineMetricNames:
+    """One engine's names for the series the operator reads, by the MetricsBuilder series they feed.
+
+    Every tuple lists a metric's names newest first; an older name is read only where the newer is absent.
+    """
+
+    engine: str
+    model_label: str
+    latency: Mapping[str, tuple[str, ...]]  # LATENCY_HISTOGRAMS key -> histogram names
+    counters: Mapping[str, str]  # RATE_COUNTERS key -> counter name (as exposed, with _total)
+    gauges: Mapping[str, tuple[str, ...]]  # queue_depth, running, kv_usage -> gauge names
+
+    @property
+    def pods_gauge(self) -> str:
+        """The gauge every pod of the engine exports once per scheduler: counted as the pods reporting."""
+        return self.gauges["queue_depth"][0]
+
+
+VLLM_NAMES = EngineMetricNames(
+    engine=VLLM,
+    model_label="model_name",
+    latency={
+        "ttft": ("vllm:time_to_first_token_seconds",),
+        "queueWait": ("vllm:request_queue_time_seconds",),
+        "e2e": ("vllm:e2e_request_latency_seconds",),
+        INTER_TOKEN: ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    },
+    counters={
+        "requests": "vllm:request_success_total",
+        "prompt_tokens": "vllm:prompt_tokens_total",
+        "generated_tokens": "vllm:generation_tokens_total",
+        "preemptions": "vllm:num_preemptions_total",
+    },
+    gauges={
+        "queue_depth": ("vllm:num_requests_waiting",),
+        "running": ("vllm:num_requests_running",),
+        "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    },
+)
+
+SGLANG_NAMES = EngineMetricNames(
+    engine=SGLANG,
+    model_label="model_name",
+    latency={
+        "ttft": ("sglang:time_to_first_token_seconds",),
+        "queueWait": ("sglang:queue_time_seconds",),
+        "e2e": ("sglang:e2e_request_latency_seconds",),
+        INTER_TOKEN: ("sglang:inter_token_latency_seconds",),
+    },
+    counters={
+        "requests": "sglang:num_requests_total",
+        "prompt_tokens": "sglang:prompt_tokens_total",
+        "generated_tokens": "sglang:generation_tokens_total",
+        "preemptions": "sglang:num_retracted_requests_total",
+    },
+    gauges={
+        "queue_depth": ("sglang:num_queue_reqs",),
+        "running": ("sglang:num_running_reqs",),
+        "kv_usage": ("sglang:token_usage",),
+    },
+)
+
+# The engines read through a table (batchpilot's own names come from the runtime's contract).
+FOREIGN_ENGINES: dict[str, EngineMetricNames] = {VLLM: VLLM_NAMES, SGLANG: SGLANG_NAMES}
+ENGINES = (BATCHPILOT, *FOREIGN_ENGINES)
+
+
+@dataclass(frozen=True)
+class ExposedSeries:
+    """What one exposed name of a foreign engine feeds: ``kind`` is latency, counter or gauge;
+    ``rank`` 0 for the newest name, higher for older ones."""
+
+    engine: EngineMetricNames
+    kind: str
+    series: str
+    rank: int
+
+
+def exposed_names() -> dict[str, ExposedSeries]:
+    """Every foreign engine's exposed name (histograms by their base name), for a scrape's parser."""
+    table: dict[str, ExposedSeries] = {}
+    for names in FOREIGN_ENGINES.values():
+        for series, histograms in names.latency.items():
+            for rank, name in enumerate(histograms):
+                table[name] = ExposedSeries(names, "latency", series, rank)
+        for series, counter in names.counters.items():
+            table[counter] = ExposedSeries(names, "counter", series, 0)
+        for series, gauges in names.gauges.items():
+            for rank, name in enumerate(gauges):
+                table[name] = ExposedSeries(names, "gauge", series, rank)
+    return table
