@@ -22,7 +22,7 @@ from batchpilot_operator.cli import main as operator_cli
 from batchpilot_runtime.cli import main as runtime_cli
 from tests.support.crd_validation import validate_object
 
-from .tools import CHART, DEPLOY, KUBERNETES_VERSION, find, helm_template, labels_match, one
+from .tools import CHART, DEPLOY, KUBERNETES_VERSION, find, helm_path, helm_template, labels_match, one, run
 
 QUICKSTART = DEPLOY / "helm" / "quickstart-values.yaml"
 CASES = {"quickstart": QUICKSTART, "all-on": CHART / "ci" / "all-on-values.yaml"}
@@ -168,3 +168,29 @@ def test_kube_prometheus_stack_selects_the_quickstart_monitors() -> None:
     # The operator reads the Prometheus that kube-prometheus-stack runs in `monitoring`.
     operator = one(docs, "Deployment", "bp-batchpilot-operator")
     assert _flag(_container(operator)["args"], "--prometheus-url") == "http://prometheus-operated.monitoring.svc:9090"
+
+
+def test_the_readme_quickstart_names_what_the_chart_renders() -> None:
+    """The README sends traffic to a Service and describes a profile by name: the release it installs
+    (`batchpilot`) must render exactly those names, in the namespace the README uses."""
+    readme = (DEPLOY.parent / "README.md").read_text()
+    assert f"-f {QUICKSTART.relative_to(DEPLOY.parent)}" in readme
+    docs = helm_template(QUICKSTART, namespace=NAMESPACE, release="batchpilot")
+    (profile,) = find(docs, "BatchProfile")
+    service = one(docs, "Service", profile["metadata"]["name"])
+    port = service["spec"]["ports"][0]["port"]
+    assert f"--endpoint http://{service['metadata']['name']}:{port}" in readme
+    assert f"kubectl -n {NAMESPACE} describe bp {profile['metadata']['name']}" in readme
+    assert f"helm install batchpilot charts/batchpilot -n {NAMESPACE}" in readme
+
+
+def test_notes_say_where_the_token_can_be_mounted() -> None:
+    # --dry-run=client renders NOTES.txt without a cluster.
+    args = [helm_path(), "install", "bp", CHART, "--dry-run=client", "--namespace", "ml"]
+    notes = run([*args, "--set", "adminToken.extraNamespaces={team-a}"]).stdout.split("NOTES:", 1)[1]
+    assert "Pods in ml read the admin token" in notes
+    assert "only to\n   ml and team-a" in notes and "spec.runtime.adminTokenSecret" in notes
+    unlabelled = run([*args, "--set", "monitoring.podMonitor.enabled=true"]).stdout.split("NOTES:", 1)[1]
+    assert "release: <its release name>" in unlabelled
+    labelled = run([*args, "--values", QUICKSTART]).stdout.split("NOTES:", 1)[1]
+    assert "release: <its release name>" not in labelled
