@@ -28,7 +28,7 @@ def _register_local(subparsers: Any) -> None:
         "--runtime",
         action="append",
         default=[],
-        metavar="model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH",
+        metavar="model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH,engine=KIND",
         help="one runtime pod (repeatable); its /metrics is scraped when --prometheus-url is not given",
     )
     parser.add_argument("--prometheus-url", help="read metrics from this Prometheus instead of scraping")

@@ -47,6 +47,7 @@ from typing import Any
 from batchpilot_operator.api.profile import (
     BatchProfileSpec,
     Decision,
+    EngineKind,
     Friendliness,
     ProfileError,
     TuningMode,
@@ -490,7 +491,8 @@ class Controller:
     async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
         spec, window = record.spec, record.window
         if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
-            if spec is not None and spec.mode == TuningMode.RECOMMEND:
+            if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine == EngineKind.BATCHPILOT:
+                # Only batchpilot's runtime answers GET /admin/window: other engines' pods are not read.
                 await self.syncer.read_pods(record, self.pods_of(record))
             record.push_pending = False
             return

@@ -26,12 +26,14 @@ import httpx
 
 from batchpilot_operator.api.manifests import LoadedProfile, load_profiles
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
+from batchpilot_operator.control.engine_knobs import describe_settings, engine_settings
 from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, SGLANG
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.tuning import policy as policy_mod
 
-RUNTIME_KEYS = ("model", "url", "admin", "token-file", "name")
+RUNTIME_KEYS = ("model", "url", "admin", "token-file", "name", "engine")
 
 log = logging.getLogger("batchpilot.operator")
 
@@ -43,10 +45,14 @@ class RuntimeSpec:
     admin: str  # admin base URL
     token: str | None
     name: str
+    engine: str = BATCHPILOT
 
 
 def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
-    """``model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH[,name=NAME]``; errors name the key."""
+    """``model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH[,name=NAME][,engine=KIND]``; errors name the key.
+
+    ``engine`` is batchpilot (the default), vllm or sglang; only batchpilot's runtime has an admin API, so only
+    it needs ``admin=`` (an SGLang server takes its live settings on its serving port)."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -56,10 +62,15 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
         if key not in RUNTIME_KEYS:
             raise ValueError(f"--runtime {text!r}: unknown key {key!r} (known: {', '.join(RUNTIME_KEYS)})")
         fields[key] = value.strip()
-    for required in ("model", "url", "admin"):
+    engine = fields.get("engine") or BATCHPILOT
+    if engine not in ENGINES:
+        raise ValueError(f"--runtime {text!r}: unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    if engine == SGLANG:
+        fields.setdefault("admin", fields.get("url", ""))
+    for required in ("model", "url", "admin") if engine == BATCHPILOT else ("model", "url"):
         if not fields.get(required):
             raise ValueError(f"--runtime {text!r}: {required}= is required")
-    for key in ("url", "admin"):
+    for key in ("url", "admin") if fields.get("admin") else ("url",):
         if not fields[key].startswith(("http://", "https://")):
             raise ValueError(f"--runtime {text!r}: {key}= must be an http(s) URL, got {fields[key]!r}")
         try:
@@ -78,9 +89,10 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
     return RuntimeSpec(
         model=fields["model"],
         url=fields["url"].rstrip("/"),
-        admin=fields["admin"].rstrip("/"),
+        admin=fields.get("admin", "").rstrip("/"),
         token=token,
         name=fields.get("name") or f"{fields['model']}-{index}",
+        engine=engine,
     )
 
 
@@ -118,27 +130,34 @@ def _now() -> str:
 
 def print_decision(out: TextIO, output: str = "text") -> Any:
     """A decision callback writing one line per decision: text for people, or a JSON object
-    (``time``, ``profile``, ``model``, ``mode``, ``direction``, ``window``, ``reason``)."""
+    (``time``, ``profile``, ``model``, ``engine``, ``mode``, ``direction``, ``window``, ``reason``, and for
+    vLLM and SGLang ``engineSettings``: the window as the engine's flags or server args)."""
 
     def on_decision(record: ProfileRecord, decision: policy_mod.Decision) -> None:
         mode = record.spec.mode.value if record.spec else "?"
+        engine = record.spec.engine.value if record.spec else BATCHPILOT
         direction = decision.direction if mode != "recommend" or not decision.changed else "recommend"
+        # The window in the engine's own settings (vLLM's flags, SGLang's server args); none for batchpilot.
+        settings = engine_settings(engine, decision.window)
         if output == "json":
             line = json.dumps(
                 {
                     "time": _now(),
                     "profile": record.ref.key,
                     "model": record.model,
+                    "engine": engine,
                     "mode": mode,
                     "direction": direction,
                     "window": decision.window.model_dump(mode="json", by_alias=True),
+                    **({"engineSettings": settings} if settings else {}),
                     "reason": decision.reason,
                 }
             )
         else:
+            in_engine = f" ({engine}: {describe_settings(settings)})" if settings else ""
             line = (
                 f"{_now()} {record.ref.key} model={record.model} mode={mode} {direction}: "
-                f"{decision.window.describe()} - {decision.reason}"
+                f"{decision.window.describe()}{in_engine} - {decision.reason}"
             )
         out.write(line + "\n")
         out.flush()
@@ -164,6 +183,7 @@ async def run_local(
     loaded = load_profiles(profiles_path)
     if not loaded:
         raise ValueError(f"--profiles {profiles_path}: no BatchProfile found")
+    _check_engines(loaded, runtimes)
     sink = LocalSink(out, status_file)
     metrics = OperatorMetrics()
     metrics.serve(metrics_port, "127.0.0.1")
@@ -221,6 +241,21 @@ def _metrics_source(
     return ScrapeSource(rate_window_s=interval_s or 15.0, timeout_s=query_timeout_s)
 
 
+def _check_engines(loaded: Sequence[LoadedProfile], runtimes: Sequence[RuntimeSpec]) -> None:
+    """A runtime's engine= must be its profiles' spec.engine: the names the metrics are read by, and the
+    way a window reaches it, follow from it."""
+    for profile in loaded:
+        if profile.spec is None:
+            continue
+        for runtime in runtimes:
+            if runtime.model == profile.spec.model and runtime.engine != profile.spec.engine.value:
+                raise ValueError(
+                    f"--runtime {runtime.name} (model {runtime.model}) has engine={runtime.engine}, but profile "
+                    f"{profile.key} names spec.engine {profile.spec.engine.value}: give the runtime "
+                    f"engine={profile.spec.engine.value}"
+                )
+
+
 def _add_runtimes(controller: Controller, runtimes: Sequence[RuntimeSpec]) -> None:
     """Each runtime as a Ready pod of namespace ``local``, matched to profiles by model."""
     for runtime in runtimes:
@@ -229,7 +264,7 @@ def _add_runtimes(controller: Controller, runtimes: Sequence[RuntimeSpec]) -> No
                 namespace="local",
                 name=runtime.name,
                 ready=True,
-                admin_url=runtime.admin,
+                admin_url=runtime.admin or None,  # vLLM has no admin API: nothing is read or sent
                 metrics_url=f"{runtime.url}/metrics",
                 model=runtime.model,
                 token=runtime.token,

@@ -1,0 +1,47 @@
+"""A window in each engine's own settings. Pure: no I/O.
+
+Only two window fields have a counterpart in vLLM and SGLang (DESIGN.md, "What decides the
+tail under continuous batching"): the cap on running sequences and the per-step prompt-token
+budget. targetBatchSize, maxWaitMs and tailMarkRatio have none: an iteration-level engine admits
+whatever fits at every step, so they hold only in front of it (batchpilot-gate).
+
+- vLLM: ``--max-num-seqs`` and ``--max-num-batched-tokens`` (``vllm/engine/arg_utils.py``),
+  start-up flags only.
+- SGLang: ``max_running_requests`` and ``chunked_prefill_size`` (``python/sglang/srt/server_args.py``),
+  the keys a ``POST /set_internal_state {"server_args": {...}}`` would name.
+"""
+
+from __future__ import annotations
+
+from batchpilot_operator.io.engine_metrics import SGLANG, VLLM
+from batchpilot_runtime.contract.window import Window
+
+
+def vllm_args(window: Window) -> dict[str, int]:
+    """The vLLM flags that carry ``window`` (the prefill budget only when the window sets one)."""
+    args = {"--max-num-seqs": window.hard_cap}
+    if window.max_prefill_tokens is not None:
+        args["--max-num-batched-tokens"] = window.max_prefill_tokens
+    return args
+
+
+def sglang_server_args(window: Window) -> dict[str, int]:
+    """The SGLang server arguments that carry ``window`` (the prefill budget only when the window sets one)."""
+    args = {"max_running_requests": window.hard_cap}
+    if window.max_prefill_tokens is not None:
+        args["chunked_prefill_size"] = window.max_prefill_tokens
+    return args
+
+
+def engine_settings(engine: str, window: Window) -> dict[str, int]:
+    """``window`` as ``engine`` spells it; empty for batchpilot, which takes the window itself."""
+    if engine == VLLM:
+        return vllm_args(window)
+    if engine == SGLANG:
+        return sglang_server_args(window)
+    return {}
+
+
+def describe_settings(settings: dict[str, int]) -> str:
+    """``--max-num-seqs 64 --max-num-batched-tokens 1024`` or ``max_running_requests=64 ...``, for a text line."""
+    return " ".join(f"{k} {v}" if k.startswith("--") else f"{k}={v}" for k, v in settings.items())
