@@ -151,9 +151,9 @@ async def test_a_restart_mid_cooldown_ends_where_no_restart_does(worlds: list[Wo
 
     second_op = restarted.start_operator(monotonic_offset_s=12_345.0)
     record = second_op.profiles["ml/chat"]
-    assert record.policy_state.kv_cap_ceiling == ceiling
-    assert replace(record.policy_state, decisions=0, last_change_s=None) == replace(
-        first_op.profiles["ml/chat"].policy_state, decisions=0, last_change_s=None
+    assert record.memory.policy_state.kv_cap_ceiling == ceiling
+    assert replace(record.memory.policy_state, decisions=0, last_change_s=None) == replace(
+        first_op.profiles["ml/chat"].memory.policy_state, decisions=0, last_change_s=None
     )
     patches = restarted.sink.patches
     lifted_at = None
@@ -257,7 +257,7 @@ async def test_a_spec_changed_while_no_operator_ran_keeps_the_ceiling_within_the
     world.spec = make_spec(bounds={"hardCap": {"min": ceiling + 2, "max": 512}})  # the window's 64 still fits
     world.generation = 2
     successor = world.start_operator()
-    state = successor.profiles["ml/chat"].policy_state
+    state = successor.profiles["ml/chat"].memory.policy_state
     assert state.kv_cap_ceiling == ceiling + 2
     assert (state.headroom_streak, state.under_streak, state.itl_calm_streak) == (0, 0, 0)
     await world.tick(successor)
@@ -270,9 +270,9 @@ async def test_a_spec_change_under_a_running_operator_follows_the_same_rule(worl
     operator = world.start_operator()
     for _ in range(4):
         await world.tick(operator)
-    before = operator.profiles["ml/chat"].policy_state
+    before = operator.profiles["ml/chat"].memory.policy_state
     operator.upsert_profile("ml", "chat", make_spec(30, bounds={"hardCap": {"min": 1, "max": 30}}), generation=2)
-    after = operator.profiles["ml/chat"].policy_state
+    after = operator.profiles["ml/chat"].memory.policy_state
     assert after.kv_cap_ceiling is None  # at or above the new maximum: it no longer limits anything
     assert after.step_curve == before.step_curve and after.calm_streak == before.calm_streak
     assert (after.headroom_streak, after.under_streak) == (0, 0)
@@ -289,7 +289,7 @@ async def test_garbage_memory_in_status_starts_fresh_says_so_once_and_is_overwri
             await world.tick(operator)
     warnings = [r.getMessage() for r in caplog.records if "policy memory" in r.getMessage()]
     assert len(warnings) == 1 and "version is 99" in warnings[0]
-    assert operator.profiles["ml/chat"].policy_state != PolicyState()
+    assert operator.profiles["ml/chat"].memory.policy_state != PolicyState()
     assert world.status()["policy"]["version"] == 1
 
 

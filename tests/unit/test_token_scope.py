@@ -268,7 +268,7 @@ async def test_recommend_mode_reads_carry_the_token_and_keep_to_the_scope(cluste
     assert cluster.fake.pods[home].gets >= 1 and cluster.fake.pods[home].puts == 0
     assert set(cluster.authorizations(home)) == {f"Bearer {FLEET_TOKEN}"}
     assert cluster.authorizations(elsewhere) == []
-    assert "not sent" in cluster.controller.profiles["team-c/chat"].pod_errors["team-c/chat-0"]
+    assert "not sent" in cluster.controller.profiles["team-c/chat"].sync.pod_errors["team-c/chat-0"]
 
 
 async def test_no_fleet_namespaces_means_the_fleet_token_goes_nowhere(

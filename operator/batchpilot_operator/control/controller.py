@@ -47,7 +47,6 @@ from typing import Any
 from batchpilot_operator.api.profile import (
     BatchProfileSpec,
     Decision,
-    EngineKind,
     Friendliness,
     ProfileError,
     TuningMode,
@@ -167,25 +166,25 @@ class Controller:
         old_index_key = self.registry.index_key(record) if record is not None else None
         if record is None:
             record = ProfileRecord(ref=ref, generation=generation, spec=parsed, error=error)
-            record.status_written = dict(status or {})
-            record.window = window_from_status(status)
-            record.policy_state = self._policy_from_status(ref, status, parsed, generation)
+            record.status.written = dict(status or {})
+            record.loop.window = window_from_status(status)
+            record.memory.policy_state = self._policy_from_status(ref, status, parsed, generation)
         else:
             old_spec = record.spec
             record.ref, record.generation, record.spec, record.error = ref, generation, parsed, error
             if status is not None:
-                record.status_written = dict(status)
+                record.status.written = dict(status)
             if parsed is not None and old_spec is not None and parsed.window != old_spec.window:
-                record.window = None  # a new starting window: reset to it on the next push
-            if parsed is not None and old_spec is not None and parsed.lanes != old_spec.lanes and record.window:
-                self._number(record, record.window, past=record.window.generation)
+                record.loop.window = None  # a new starting window: reset to it on the next push
+            if parsed is not None and old_spec is not None and parsed.lanes != old_spec.lanes and record.loop.window:
+                self._number(record, record.loop.window, past=record.loop.window.generation)
             if parsed is not None and parsed != old_spec:
                 # The same rule as for a memory restored across a spec change: a restart changes nothing.
-                record.policy_state = policy_memo.carry_over(record.policy_state, parsed)
+                record.memory.policy_state = policy_memo.carry_over(record.memory.policy_state, parsed)
         if parsed is not None:
             self._ensure_window(record)
         self.registry.put_profile(record, old_index_key)
-        record.push_pending = True
+        record.loop.push_pending = True
         self.metrics.profiles_managed.set(len(self.profiles))
         self._wake.set()
         return record
@@ -216,8 +215,8 @@ class Controller:
             return []
         matching = self.registry.profiles_selecting(pod)
         for record in matching:
-            record.pod_states.pop(pod.key, None)
-            record.refused.pop(pod.key, None)
+            record.sync.pod_states.pop(pod.key, None)
+            record.sync.refused.pop(pod.key, None)
         return matching
 
     def remove_pod(self, namespace: str, name: str) -> None:
@@ -225,9 +224,9 @@ class Controller:
         if pod is None:
             return
         for record in self.profiles.values():
-            record.pod_states.pop(pod.key, None)
-            record.pod_errors.pop(pod.key, None)
-            record.refused.pop(pod.key, None)
+            record.sync.pod_states.pop(pod.key, None)
+            record.sync.pod_errors.pop(pod.key, None)
+            record.sync.refused.pop(pod.key, None)
 
     def pods_of(self, record: ProfileRecord) -> list[PodRecord]:
         """The profile's pods, sorted (see :meth:`Registry.pods_of`)."""
@@ -238,8 +237,8 @@ class Controller:
     @staticmethod
     def _number(record: ProfileRecord, window: Window, *, past: int | None) -> Window:
         """Put ``window`` in force, numbered one past generation ``past`` (1 when there is none)."""
-        record.window = window.with_generation((past or 0) + 1)
-        return record.window
+        record.loop.window = window.with_generation((past or 0) + 1)
+        return record.loop.window
 
     def _ensure_window(self, record: ProfileRecord) -> None:
         """Static mode: the spec's window, renumbered when its fields change. Otherwise the spec's window when
@@ -248,12 +247,12 @@ class Controller:
         if spec is None:
             return
         if spec.mode == TuningMode.STATIC:
-            current = record.window
+            current = record.loop.window
             if current is None or not current.fields_equal(spec.window):
                 self._number(record, Window.from_fields(spec.window, 1), past=current.generation if current else None)
             return
-        if record.window is None:
-            previous = window_from_status(record.status_written)
+        if record.loop.window is None:
+            previous = window_from_status(record.status.written)
             self._number(record, Window.from_fields(spec.window, 1), past=previous.generation if previous else None)
 
     def _interval_s(self, record: ProfileRecord) -> float:
@@ -308,29 +307,31 @@ class Controller:
             if record.spec is None:
                 continue
             slot = math.floor(started / self._interval_s(record))
-            if record.last_slot != slot:
-                record.last_slot = slot
+            if record.loop.last_slot != slot:
+                record.loop.last_slot = slot
                 due.append(record)
 
         # 2. One collection for every due model.
         metrics, report.metrics_error = await self._collect(due, report)
 
         # 3. Decide.
-        windows_before = {r.ref.key: r.window for r in due}
+        windows_before = {r.ref.key: r.loop.window for r in due}
         for record in due:
             try:
                 self._decide(record, metrics, report.metrics_error, now_s, report)
             except Exception as error:
                 log.exception("decision for %s failed", record.ref.key)
-                record.metrics_fact = ConditionFact(UNKNOWN, "DecisionFailed", f"{type(error).__name__}: {error}")
+                record.memory.metrics_fact = ConditionFact(
+                    UNKNOWN, "DecisionFailed", f"{type(error).__name__}: {error}"
+                )
         report.evaluated = len(due)
-        changed = [r for r in due if r.window is not None and r.window != windows_before[r.ref.key]]
+        changed = [r for r in due if r.loop.window is not None and r.loop.window != windows_before[r.ref.key]]
         if changed:
             await self._write_statuses(changed, now_s, report, only=("window", "policy"))
 
         # 4. Push (due profiles, and any with a pending push: new profiles, spec changes, new pods).
         to_sync = {r.ref.key: r for r in due}
-        to_sync.update({r.ref.key: r for r in self.profiles.values() if r.push_pending and r.spec is not None})
+        to_sync.update({r.ref.key: r for r in self.profiles.values() if r.loop.push_pending and r.spec is not None})
         await self._sync_profiles(list(to_sync.values()), report)
 
         # 5. Status, events, metrics.
@@ -365,11 +366,7 @@ class Controller:
         metrics_error: str | None = None
         collect_started = self._mono()
         try:
-            engines = sorted({record.spec.engine.value for record in due if record.spec is not None})
-            # batchpilot alone is every source's default: sources that know no other engine need not take it.
-            metrics = await (
-                self.source.collect(targets) if engines == ["batchpilot"] else self.source.collect(targets, engines)
-            )
+            metrics = await self.source.collect(targets)
         except MetricsUnavailable as error:
             metrics_error = str(error)
             self.metrics.query_errors.labels(query="all").inc()
@@ -395,9 +392,9 @@ class Controller:
         namespace = "" if self.match_by_model else record.ref.namespace
         model_metrics = None if metrics_error else lookup(metrics, namespace, spec.model)
         obs = to_observations(model_metrics, latency_metric, now_s)
-        record.observations = obs
-        record.evaluations += 1
-        record.metrics_fact = conditions.metrics_fact(
+        record.memory.observations = obs
+        record.memory.evaluations += 1
+        record.memory.metrics_fact = conditions.metrics_fact(
             metrics_error,
             model_metrics.window_s if model_metrics is not None else None,
             obs,
@@ -406,27 +403,27 @@ class Controller:
             latency_metric=latency_metric,
         )
         self._ensure_window(record)
-        window = record.window
+        window = record.loop.window
         if window is None:
             return
         if spec.mode == TuningMode.STATIC:
             decision = policy_mod.Decision(
-                window, "hold", "Static mode: the spec's window is pushed as it is.", record.policy_state
+                window, "hold", "Static mode: the spec's window is pushed as it is.", record.memory.policy_state
             )
         elif spec.mode == TuningMode.RECOMMEND:
             in_force = pods_window(record) or window
-            decision = policy_mod.decide(spec, in_force, obs, record.policy_state, now_s)
-            record.policy_state = decision.state
-            record.recommended = decision.window if decision.changed else None
+            decision = policy_mod.decide(spec, in_force, obs, record.memory.policy_state, now_s)
+            record.memory.policy_state = decision.state
+            record.memory.recommended = decision.window if decision.changed else None
         else:
-            decision = policy_mod.decide(spec, window, obs, record.policy_state, now_s)
-            record.policy_state = decision.state
+            decision = policy_mod.decide(spec, window, obs, record.memory.policy_state, now_s)
+            record.memory.policy_state = decision.state
             if decision.changed:
-                record.window = decision.window  # numbered by the policy: one past the window it was given
-                record.push_pending = True
+                record.loop.window = decision.window  # numbered by the policy: one past the window it was given
+                record.loop.push_pending = True
                 report.changed += 1
         if decision.friendliness is not None and spec.batch_friendliness == Friendliness.AUTO:
-            record.friendliness = decision.friendliness.to_status()
+            record.memory.friendliness = decision.friendliness.to_status()
         self._announce(record, spec, decision, now_s)
 
     def _announce(
@@ -436,10 +433,10 @@ class Controller:
         direction: str = decision.direction
         if spec.mode == TuningMode.RECOMMEND and decision.changed:
             direction = "recommend"
-        previous = record.last_decision
+        previous = record.memory.last_decision
         if previous is None or (previous.direction, previous.reason) != (direction, decision.reason):
             # The same hold repeated is not news: keeping its first time keeps the status unchanged (no patch).
-            record.last_decision = Decision(time=rfc3339(now_s), direction=direction, reason=decision.reason)
+            record.memory.last_decision = Decision(time=rfc3339(now_s), direction=direction, reason=decision.reason)
         self.metrics.decisions.labels(record.ref.namespace, record.ref.name, spec.model, direction).inc()
         log.log(
             logging.INFO if direction != "hold" else logging.DEBUG,
@@ -451,7 +448,7 @@ class Controller:
         )
         if self.on_decision is not None:
             self.on_decision(record, decision)
-        if decision.changed or direction == "recommend" or decision.reason != record.last_reason:
+        if decision.changed or direction == "recommend" or decision.reason != record.memory.last_reason:
             # Holds that repeat the same reason are not re-posted: one Event per new reason, one per change.
             message = decision.reason
             if decision.changed and spec.mode != TuningMode.RECOMMEND:
@@ -459,7 +456,7 @@ class Controller:
             elif direction == "recommend":
                 message = f"recommend {decision.window.describe()}: {decision.reason}"
             self._queue_event(record, "Normal", f"Decision{direction.capitalize()}", message)
-        record.last_reason = decision.reason
+        record.memory.last_reason = decision.reason
 
     # ---- pushes -------------------------------------------------------------------------------------
 
@@ -474,12 +471,12 @@ class Controller:
             log.exception("sync of %s failed", record.ref.key)
             text = f"{type(error).__name__}: {error}"
             report.push_failures += 1
-            record.push_pending = False  # the next due tick tries again, as after a failed push
-            if record.sync_error != text:  # one Event per new error, not one per tick
+            record.loop.push_pending = False  # the next due tick tries again, as after a failed push
+            if record.sync.error != text:  # one Event per new error, not one per tick
                 self._queue_event(record, "Warning", "PushFailed", f"sync failed: {text}")
-            record.sync_error = text
+            record.sync.error = text
         else:
-            record.sync_error = None
+            record.sync.error = None
 
     async def sync_now(self, records: Sequence[ProfileRecord]) -> None:
         """Push at once (a pod just became Ready), outside the interval."""
@@ -489,12 +486,11 @@ class Controller:
             await self._write_statuses(records, self._wall(), report)
 
     async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
-        spec, window = record.spec, record.window
+        spec, window = record.spec, record.loop.window
         if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
-            if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine == EngineKind.BATCHPILOT:
-                # Only batchpilot's runtime answers GET /admin/window: other engines' pods are not read.
+            if spec is not None and spec.mode == TuningMode.RECOMMEND:
                 await self.syncer.read_pods(record, self.pods_of(record))
-            record.push_pending = False
+            record.loop.push_pending = False
             return
         pods = [p for p in self.pods_of(record) if p.ready]
         results, not_sent = await self.syncer.push(record, pods, window)
@@ -509,7 +505,7 @@ class Controller:
             self.syncer.account(record, result, report)
         # Failed pods are not retried before the next interval (sync already retried with backoff);
         # being level-triggered, the next due tick finds them behind and pushes again.
-        record.push_pending = False
+        record.loop.push_pending = False
 
     # ---- status and events --------------------------------------------------------------------------
 
@@ -544,11 +540,11 @@ class Controller:
     ) -> None:
         now_iso = rfc3339(now_s)
         facts = self.facts(record)
-        if record.spec is None and record.invalid_reported_generation != record.generation:
-            record.invalid_reported_generation = record.generation
+        if record.spec is None and record.status.invalid_reported_generation != record.generation:
+            record.status.invalid_reported_generation = record.generation
             self._queue_event(record, "Warning", "InvalidSpec", record.error or "invalid spec")
-        new_status = build_status(facts, record.status_written, now_iso)
-        old_window = record.status_written.get("window")
+        new_status = build_status(facts, record.status.written, now_iso)
+        old_window = record.status.written.get("window")
         if (
             facts.window is not None
             and isinstance(old_window, Mapping)
@@ -557,7 +553,7 @@ class Controller:
             new_status["window"]["appliedAt"] = old_window.get("appliedAt") or now_iso
         elif "window" in new_status:
             new_status["window"]["appliedAt"] = now_iso
-        written = record.status_written
+        written = record.status.written
         if only is not None:
             new_status = {k: v for k, v in new_status.items() if k in only}
             written = {k: v for k, v in written.items() if k in only}
@@ -572,7 +568,7 @@ class Controller:
             log.warning("status patch of %s failed (retried next tick): %s", record.ref.key, error)
             return
         report.status_patches += 1
-        record.status_written = apply_patch(record.status_written, patch)
+        record.status.written = apply_patch(record.status.written, patch)
 
 
 __all__ = [

@@ -34,9 +34,9 @@ def export_profile(metrics: OperatorMetrics, record: ProfileRecord, facts: Statu
         metrics.slo_seconds.labels(*labels, metric, "0.999").set(spec.slo.p999_ms / 1000)
     if spec.slo.inter_token_p99_ms is not None:
         metrics.slo_seconds.labels(*labels, INTER_TOKEN, "0.99").set(spec.slo.inter_token_p99_ms / 1000)
-    if record.window is not None:
-        metrics.window_target.labels(*labels).set(record.window.target_batch_size)
-        metrics.window_cap.labels(*labels).set(record.window.hard_cap)
-        metrics.window_wait.labels(*labels).set(record.window.max_wait_ms / 1000)
-        metrics.window_generation.labels(*labels).set(record.window.generation)
-        metrics.window_budget.labels(*labels).set(record.window.max_prefill_tokens or 0)
+    if record.loop.window is not None:
+        metrics.window_target.labels(*labels).set(record.loop.window.target_batch_size)
+        metrics.window_cap.labels(*labels).set(record.loop.window.hard_cap)
+        metrics.window_wait.labels(*labels).set(record.loop.window.max_wait_ms / 1000)
+        metrics.window_generation.labels(*labels).set(record.loop.window.generation)
+        metrics.window_budget.labels(*labels).set(record.loop.window.max_prefill_tokens or 0)

@@ -15,7 +15,7 @@ from batchpilot_runtime.contract.window import Window
 
 def pods_window(record: ProfileRecord) -> Window | None:
     """The window some pod of the profile was last seen running (recommend mode shows it)."""
-    for state in record.pod_states.values():
+    for state in record.sync.pod_states.values():
         return state.window
     return None
 
@@ -23,7 +23,7 @@ def pods_window(record: ProfileRecord) -> Window | None:
 def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFacts:
     """What the status of ``record`` says, given its pods (all of them, Ready or not)."""
     spec = record.spec
-    policy = policy_memo.to_status(record.policy_state, record.generation)
+    policy = policy_memo.to_status(record.memory.policy_state, record.generation)
     if spec is None:
         ready, synced, metrics_available, slo_met = conditions.invalid_spec_facts(record.error)
         return StatusFacts(
@@ -36,20 +36,20 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
         )
     pods = pods
     ready_pods = [p for p in pods if p.ready]
-    window = record.window
+    window = record.loop.window
     recommend = spec.mode == TuningMode.RECOMMEND
     if recommend:
         shown = pods_window(record)
-        synced_pods = [p for p in ready_pods if p.key in record.pod_states]
+        synced_pods = [p for p in ready_pods if p.key in record.sync.pod_states]
     else:
         shown = window
         synced_pods = [
             p
             for p in ready_pods
             if window is not None
-            and (state := record.pod_states.get(p.key)) is not None
+            and (state := record.sync.pod_states.get(p.key)) is not None
             and state.window.generation >= window.generation
-            and p.key not in record.pod_errors
+            and p.key not in record.sync.pod_errors
         ]
     ready_keys = {p.key for p in ready_pods}
     synced = conditions.synced_fact(
@@ -59,12 +59,12 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
             synced=len(synced_pods),
             generation=window.generation if window else 0,
             recommend=recommend,
-            sync_error=record.sync_error,
-            failures={pod: failure for pod, failure in record.pod_errors.items() if pod in ready_keys},
-            clamped=record.clamped,
+            sync_error=record.sync.error,
+            failures={pod: failure for pod, failure in record.sync.pod_errors.items() if pod in ready_keys},
+            clamped=record.sync.clamped,
         )
     )
-    obs = record.observations
+    obs = record.memory.observations
     return StatusFacts(
         generation=record.generation,
         window=WindowInForce(**shown.model_dump(), applied_at=None) if shown is not None else None,
@@ -75,12 +75,12 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
             synced=len(synced_pods),
             summary=f"{len(synced_pods)}/{len(ready_pods)}",
         ),
-        last_decision=record.last_decision,
-        recommended_window=record.recommended,
-        friendliness=record.friendliness,
+        last_decision=record.memory.last_decision,
+        recommended_window=record.memory.recommended,
+        friendliness=record.memory.friendliness,
         policy=policy,
         ready=conditions.ready_fact(synced),
         synced=synced,
-        metrics_available=record.metrics_fact,
+        metrics_available=record.memory.metrics_fact,
         slo_met=conditions.slo_fact(spec, obs),
     )

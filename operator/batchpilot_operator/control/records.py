@@ -3,7 +3,7 @@ protocols of its metric source and sink. No behaviour beyond small derived prope
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,11 +37,7 @@ class Settings:
 
 
 class MetricsSource(Protocol):
-    async def collect(
-        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = ("batchpilot",)
-    ) -> dict[ModelKey, ModelMetrics]:
-        """Every target's metrics; ``engines``: the engine kinds (spec.engine) of the profiles collected for."""
-        ...
+    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]: ...
 
 
 @dataclass(frozen=True)
@@ -86,32 +82,74 @@ class PodRecord:
 
 
 @dataclass
+class LoopState:
+    """What the loop keeps of a profile between ticks. The loop alone writes these, and alone numbers
+    the windows it puts in force (``Controller._number``, apart from the policy's own decisions)."""
+
+    window: Window | None = None  # the window in force: pushed, or to be pushed
+    last_slot: int | None = None  # the interval slot, floor(tick start / interval), last evaluated
+    push_pending: bool = True  # push on the next tick, due or not: a new profile, a new spec, a new window
+
+
+@dataclass
+class PodSync:
+    """What the syncer knows of the profile's pods (each keyed by pod key) and how its last sync ended."""
+
+    pod_states: dict[str, WindowState] = field(default_factory=dict)  # what each pod answered last
+    pod_errors: dict[str, PodFailure] = field(default_factory=dict)  # why each failing pod failed
+    refused: dict[str, int] = field(default_factory=dict)  # generation refused: not pushed again until it changes
+    clamped: dict[str, str] = field(default_factory=dict)  # how each pod clamped the window it was sent
+    verified_s: dict[str, float] = field(default_factory=dict)  # when each pod was last read back (monotonic)
+    error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
+
+
+@dataclass
+class DecisionMemory:
+    """What the profile's evaluations observed and decided: the policy's memory, and what status and
+    Events report of it."""
+
+    policy_state: policy_mod.PolicyState = field(default_factory=policy_mod.PolicyState)
+    observations: Observations | None = None
+    metrics_fact: ConditionFact = PENDING_METRICS
+    last_decision: Decision | None = None  # as status shows it: a repeated hold keeps its first time
+    last_reason: str | None = None  # one Event per new reason: a hold that repeats it posts none
+    recommended: Window | None = None  # recommend mode: the window the policy would put in force
+    friendliness: Any = None  # batchFriendliness auto: the measured class and curve, for status
+    evaluations: int = 0
+
+
+@dataclass
+class StatusBook:
+    """The profile's status as last written (a patch is the difference from it), and the spec generation
+    whose InvalidSpec Event was posted."""
+
+    written: dict[str, Any] = field(default_factory=dict)
+    invalid_reported_generation: int | None = None
+
+
+@dataclass
+class PodsCache:
+    """The registry's sorted list of the profile's pods, and the (pods version, spec id) it was built for."""
+
+    key: tuple[int, int] | None = None
+    pods: list[PodRecord] = field(default_factory=list)
+
+
+@dataclass
 class ProfileRecord:
+    """A BatchProfile as the controller keeps it: what the API says (ref, generation, spec or its error)
+    and, grouped by who writes them, the loop's state, the pods' sync, the decisions' memory, the status
+    written, and the registry's pod cache."""
+
     ref: ProfileRef
     generation: int | None
     spec: BatchProfileSpec | None
     error: str | None
-    status_written: dict[str, Any] = field(default_factory=dict)
-    window: Window | None = None
-    policy_state: policy_mod.PolicyState = field(default_factory=policy_mod.PolicyState)
-    last_slot: int | None = None
-    push_pending: bool = True
-    pod_states: dict[str, WindowState] = field(default_factory=dict)
-    pod_errors: dict[str, PodFailure] = field(default_factory=dict)
-    sync_error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
-    refused: dict[str, int] = field(default_factory=dict)
-    clamped: dict[str, str] = field(default_factory=dict)
-    last_decision: Decision | None = None
-    last_reason: str | None = None
-    recommended: Window | None = None
-    observations: Observations | None = None
-    metrics_fact: ConditionFact = PENDING_METRICS
-    friendliness: Any = None
-    invalid_reported_generation: int | None = None
-    evaluations: int = 0
-    pods_cache_key: tuple[int, int] | None = None
-    verified_s: dict[str, float] = field(default_factory=dict)
-    pods_cache: list[PodRecord] = field(default_factory=list)
+    loop: LoopState = field(default_factory=LoopState)
+    sync: PodSync = field(default_factory=PodSync)
+    memory: DecisionMemory = field(default_factory=DecisionMemory)
+    status: StatusBook = field(default_factory=StatusBook)
+    pods_cache: PodsCache = field(default_factory=PodsCache)
 
     @property
     def model(self) -> str | None:

@@ -101,17 +101,17 @@ class Registry:
         if spec is None:
             return []
         cache_key = (self._pods_version, id(spec))
-        if record.pods_cache_key == cache_key:
-            return record.pods_cache
+        if record.pods_cache.key == cache_key:
+            return record.pods_cache.pods
         index_key = self.index_key(record)
         candidates: list[PodRecord]
         if index_key is not None:
             candidates = list(self._label_index.get(index_key, {}).values())
         else:
             candidates = list(self.pods.get(record.ref.namespace, {}).values())
-        record.pods_cache = sorted((p for p in candidates if self.selects(record, p)), key=lambda p: p.key)
-        record.pods_cache_key = cache_key
-        return record.pods_cache
+        record.pods_cache.pods = sorted((p for p in candidates if self.selects(record, p)), key=lambda p: p.key)
+        record.pods_cache.key = cache_key
+        return record.pods_cache.pods
 
     def _index_keys(self, pod: PodRecord) -> list[IndexKey]:
         if self.match_by_model:

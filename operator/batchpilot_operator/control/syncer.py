@@ -61,12 +61,12 @@ class Syncer:
         now = self._mono()
         lanes = lanes_of(record.spec, window.generation) if record.spec is not None else None
         for pod in pods:
-            if record.refused.get(pod.key) == window.generation:
+            if record.sync.refused.get(pod.key) == window.generation:
                 continue  # refused before: never retried until the window changes
-            state = record.pod_states.get(pod.key)
+            state = record.sync.pod_states.get(pod.key)
             in_sync = state is not None and state.window.generation >= window.generation
-            recently = now - record.verified_s.get(pod.key, -math.inf) < self.settings.resync_s
-            if in_sync and pod.key not in record.pod_errors and recently:
+            recently = now - record.sync.verified_s.get(pod.key, -math.inf) < self.settings.resync_s
+            if in_sync and pod.key not in record.sync.pod_errors and recently:
                 continue  # known in sync and checked recently: no request at all
             token, withheld = await self.token(record, pod)
             if withheld is not None:
@@ -94,25 +94,25 @@ class Syncer:
         model = spec.model if spec else ""
         labels = (record.ref.namespace, record.ref.name, model)
         if result.state is not None:
-            record.pod_states[result.pod] = result.state
-            record.verified_s[result.pod] = self._mono()
+            record.sync.pod_states[result.pod] = result.state
+            record.sync.verified_s[result.pod] = self._mono()
         if result.pushed:
             report.pushes += 1
             self.metrics.pushes.labels(*labels, "ok").inc()
         if result.ok:
-            record.pod_errors.pop(result.pod, None)
+            record.sync.pod_errors.pop(result.pod, None)
             if result.clamped is not None:
-                record.clamped[result.pod] = result.detail
+                record.sync.clamped[result.pod] = result.detail
                 self._queue_event(record, "Warning", "WindowClamped", f"pod {result.pod}: {result.detail}")
             else:
-                record.clamped.pop(result.pod, None)
+                record.sync.clamped.pop(result.pod, None)
             return
         report.push_failures += 1
         self.metrics.pushes.labels(*labels, result.outcome).inc()
         self.metrics.push_errors.labels(*labels).inc()
-        record.pod_errors[result.pod] = PodFailure(result.outcome, result.detail)
-        if result.outcome == REFUSED and record.window is not None:
-            record.refused[result.pod] = record.window.generation
+        record.sync.pod_errors[result.pod] = PodFailure(result.outcome, result.detail)
+        if result.outcome == REFUSED and record.loop.window is not None:
+            record.sync.refused[result.pod] = record.loop.window.generation
         self._queue_event(record, "Warning", "PushFailed", f"pod {result.pod}: {result.outcome}: {result.detail}")
 
     async def read_pods(self, record: ProfileRecord, pods: Sequence[PodRecord]) -> None:
@@ -122,16 +122,16 @@ class Syncer:
                 continue
             token, withheld = await self.token(record, pod)
             if withheld is not None:
-                record.pod_errors[pod.key] = PodFailure(UNAUTHORIZED, withheld)
+                record.sync.pod_errors[pod.key] = PodFailure(UNAUTHORIZED, withheld)
                 continue
             target = self.target(record, pod, token)
             if target is None:
                 continue
             try:
-                record.pod_states[pod.key] = await self.admin.get_state(target)
-                record.pod_errors.pop(pod.key, None)
+                record.sync.pod_states[pod.key] = await self.admin.get_state(target)
+                record.sync.pod_errors.pop(pod.key, None)
             except PushFailed as error:
-                record.pod_errors[pod.key] = PodFailure(error.outcome, error.detail)
+                record.sync.pod_errors[pod.key] = PodFailure(error.outcome, error.detail)
 
     async def token(self, record: ProfileRecord, pod: PodRecord) -> tuple[str | None, str | None]:
         """``(token, None)``: the bearer token for this pod, None for none; ``(None, why)``: a token this pod must

@@ -383,8 +383,8 @@ class OperatorApp:
                 self.seen_versions[key] = str(meta.get("resourceVersion"))
                 record = controller.profiles.get(key)
                 status = (event.get("object") or {}).get("status")
-                if record is not None and isinstance(status, Mapping) and not record.status_written:
-                    record.status_written = dict(status)
+                if record is not None and isinstance(status, Mapping) and not record.status.written:
+                    record.status.written = dict(status)
 
     def _register_pods_and_probe(self) -> None:
         """The pod index (a pod that turns Ready is pushed the window at once) and the liveness probe."""
