@@ -104,7 +104,7 @@ def test_the_timeout_must_be_finite_and_positive(timeout_s: float) -> None:
 
 
 def test_the_default_timeout_covers_the_longest_measured_step() -> None:
-    # README's CPU calibration of the small preset, whole prompts filling the default KV cache.
+    # The CPU calibration of the small preset (docs/benchmarks.md), whole prompts filling the default KV cache.
     cpu_full_prefill_s = 0.0298 + 65_536 * 596e-6
     assert 3 * cpu_full_prefill_s <= DEFAULT_STALL_TIMEOUT_S
 
