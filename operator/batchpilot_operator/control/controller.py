@@ -47,6 +47,7 @@ from typing import Any
 from batchpilot_operator.api.profile import (
     BatchProfileSpec,
     Decision,
+    EngineKind,
     Friendliness,
     ProfileError,
     TuningMode,
@@ -366,7 +367,11 @@ class Controller:
         metrics_error: str | None = None
         collect_started = self._mono()
         try:
-            metrics = await self.source.collect(targets)
+            engines = sorted({record.spec.engine.value for record in due if record.spec is not None})
+            # batchpilot alone is every source's default: sources that know no other engine need not take it.
+            metrics = await (
+                self.source.collect(targets) if engines == ["batchpilot"] else self.source.collect(targets, engines)
+            )
         except MetricsUnavailable as error:
             metrics_error = str(error)
             self.metrics.query_errors.labels(query="all").inc()
@@ -488,7 +493,8 @@ class Controller:
     async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
         spec, window = record.spec, record.loop.window
         if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
-            if spec is not None and spec.mode == TuningMode.RECOMMEND:
+            if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine == EngineKind.BATCHPILOT:
+                # Only batchpilot's runtime answers GET /admin/window: other engines' pods are not read.
                 await self.syncer.read_pods(record, self.pods_of(record))
             record.loop.push_pending = False
             return

@@ -3,7 +3,7 @@ protocols of its metric source and sink. No behaviour beyond small derived prope
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,7 +37,11 @@ class Settings:
 
 
 class MetricsSource(Protocol):
-    async def collect(self, targets: Mapping[ModelKey, Sequence[str]]) -> dict[ModelKey, ModelMetrics]: ...
+    async def collect(
+        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = ("batchpilot",)
+    ) -> dict[ModelKey, ModelMetrics]:
+        """Every target's metrics; ``engines``: the engine kinds (spec.engine) of the profiles collected for."""
+        ...
 
 
 @dataclass(frozen=True)
