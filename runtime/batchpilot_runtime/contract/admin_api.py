@@ -73,3 +73,34 @@ class AdminError(CamelModel):
     error: str
     detail: str
     window_in_force: Window | None = None
+
+
+class StaleGenerationError(Exception):
+    """A window update whose generation is older than the one in force (HTTP 409)."""
+
+    def __init__(self, offered: Window, in_force: Window) -> None:
+        if offered.generation < in_force.generation:
+            why = f"generation {offered.generation} is older than the generation in force ({in_force.generation})"
+        else:
+            why = f"generation {offered.generation} is already in force with a different window ({in_force.describe()})"
+        super().__init__(why)
+        self.offered = offered
+        self.window_in_force = in_force
+
+
+class InvalidWindowError(ValueError):
+    """A window the pod cannot apply (HTTP 422); the message gives the reason and names the field."""
+
+
+def is_resend(offered: Window, in_force: Window, same_lanes: bool) -> bool:
+    """The generation rule of ``PUT /admin/window``, shared by the runtime and the gate: True when the
+    update re-sends what is in force (accepted, nothing changes: pushes are level-triggered), False
+    when its generation is newer (to be checked and applied). ``StaleGenerationError`` for an older
+    generation, or the same generation with other values (``same_lanes``: its lanes equal those in force)."""
+    if offered.generation < in_force.generation:
+        raise StaleGenerationError(offered, in_force)
+    if offered.generation == in_force.generation:
+        if offered.fields_equal(in_force) and same_lanes:
+            return True
+        raise StaleGenerationError(offered, in_force)
+    return False

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow, WindowState, WindowUpdate
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow, WindowState, WindowUpdate, is_resend
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.engine import Engine
 from batchpilot_runtime.engine.types import (
@@ -35,7 +35,6 @@ from batchpilot_runtime.engine.types import (
     EngineStoppedError,
     GenerationRequest,
     InvalidWindowError,
-    StaleGenerationError,
     TokenEvent,
 )
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
@@ -232,12 +231,8 @@ class AsyncEngine:
             in_force = current.window
             current_lanes = {lane.name: lane for lane in current.lanes}
             lanes = current_lanes if new_lanes is None else new_lanes
-            if offered.generation < in_force.generation:
-                raise StaleGenerationError(offered, in_force)
-            if offered.generation == in_force.generation:
-                if offered.fields_equal(in_force) and lanes == current_lanes:
-                    return current
-                raise StaleGenerationError(offered, in_force)
+            if is_resend(offered, in_force, lanes == current_lanes):
+                return current
             self.engine.validate_window(offered, list(lanes.values()))
             state = current.model_copy(update={"window": offered, "lanes": [lanes[name] for name in sorted(lanes)]})
             self._window_state = state

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, WindowState
-from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, InvalidWindowError, StaleGenerationError, WindowState
 from batchpilot_runtime.model.sampling import SamplingParams
 from batchpilot_runtime.scheduling.admission import CheckedRequest, RequestLimits, rejected
 from batchpilot_runtime.scheduling.types import (
@@ -43,23 +42,6 @@ __all__ = [
 _SAMPLING_FIELDS = ("temperature", "top_p", "seed")
 
 FINISH_TO_OUTCOME = {"length": "completed", "stop": "completed", "cancelled": "cancelled", "error": "error"}
-
-
-class StaleGenerationError(Exception):
-    """A window update whose generation is older than the one in force (HTTP 409)."""
-
-    def __init__(self, offered: Window, in_force: Window) -> None:
-        if offered.generation < in_force.generation:
-            why = f"generation {offered.generation} is older than the generation in force ({in_force.generation})"
-        else:
-            why = f"generation {offered.generation} is already in force with a different window ({in_force.describe()})"
-        super().__init__(why)
-        self.offered = offered
-        self.window_in_force = in_force
-
-
-class InvalidWindowError(ValueError):
-    """A window the pod cannot apply (HTTP 422); the message gives the reason and names the field."""
 
 
 class EngineStoppedError(RuntimeError):

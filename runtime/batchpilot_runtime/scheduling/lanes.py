@@ -150,6 +150,17 @@ class Lane:
             deadline_s = min(deadline_s, self.waiting[0].arrival_s + threshold_s)
         return deadline_s
 
+    def triggers(self, now_s: float, num_running: int) -> tuple[bool, bool, bool]:
+        """Which admission triggers hold for this lane's fresh requests at ``now_s``: (target, tail,
+        wait); ``num_running`` is R, every lane's running sequences (the default lane counts them all)."""
+        oldest = self.oldest_fresh()
+        if oldest is None:
+            return False, False, False
+        running = num_running if self.is_default else self.running
+        target_hit = running + self.num_fresh >= self.window.target_batch_size
+        wait_hit = now_s >= oldest.arrival_s + self.window.max_wait_ms / 1000.0
+        return target_hit, bool(self.marked), wait_hit
+
     def oldest_fresh(self) -> Seq | None:
         if self.marked:
             return self.marked[0]

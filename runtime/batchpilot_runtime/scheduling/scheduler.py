@@ -519,13 +519,7 @@ class Scheduler:
                 continue
             # b. The window's triggers.
             window = lane.window
-            running = len(self._running) if lane.is_default else lane.running
-            oldest = lane.oldest_fresh()
-            if oldest is None:
-                continue
-            target_hit = running + lane.num_fresh >= window.target_batch_size
-            tail_hit = bool(lane.marked)
-            wait_hit = now_s >= oldest.arrival_s + window.max_wait_ms / 1000.0
+            target_hit, tail_hit, wait_hit = lane.triggers(now_s, len(self._running))
             if not (target_hit or tail_hit or wait_hit):
                 continue
             # c. The group: front of the lane while a slot is free and the prompt fits; past an unmarked

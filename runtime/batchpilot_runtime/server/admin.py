@@ -4,21 +4,31 @@ Every call on ``/admin/window`` needs the bearer token, reads as well as writes:
 one it is 401, and nothing about the pod (window, capacity, model) is told. ``GET`` answers the
 ``WindowState`` in force. ``PUT`` takes an ``admin_api.WindowUpdate``: 422 for an invalid body or
 a window the pod cannot hold, 409 for a generation older than the one in force, 200 with the
-applied ``WindowState`` otherwise. The window applies at the engine's next step boundary.
+applied ``WindowState`` otherwise. The window applies at the engine's next step boundary (the
+gate's: at its next admission).
+
+The app serves any ``WindowHolder``: the runtime's ``ServingContext`` and ``batchpilot-gate``, so
+that the operator tunes both through the very same API. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from batchpilot_runtime.contract.admin_api import ADMIN_WINDOW_PATH, AdminError, WindowState, WindowUpdate
-from batchpilot_runtime.engine.types import InvalidWindowError, StaleGenerationError
-from batchpilot_runtime.server.context import ServingContext
+from batchpilot_runtime.contract.admin_api import (
+    ADMIN_WINDOW_PATH,
+    AdminError,
+    InvalidWindowError,
+    StaleGenerationError,
+    WindowState,
+    WindowUpdate,
+)
 from batchpilot_runtime.server.logs import RequestIdMiddleware
 from batchpilot_runtime.server.request_body import ApiError, decode_json, error_message, read_body
 
@@ -27,14 +37,30 @@ logger = logging.getLogger("batchpilot.admin")
 MAX_ADMIN_BODY_BYTES = 1024 * 1024
 
 
+class WindowHolder(Protocol):
+    """What the admin app reads and replaces the window of."""
+
+    @property
+    def admin_token(self) -> str: ...
+
+    def window_in_force(self) -> WindowState | None:
+        """None while not ready (503)."""
+        ...
+
+    def update_window(self, update: WindowUpdate) -> WindowState:
+        """Apply ``update``: ``StaleGenerationError`` (409), ``InvalidWindowError`` (422)."""
+        ...
+
+
 def _refusal(
     status: int,
     error: str,
     detail: str,
-    ctx: ServingContext,
+    ctx: WindowHolder,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    in_force = ctx.loaded.engine.window_state().window if ctx.loaded is not None else None
+    state = ctx.window_in_force()
+    in_force = state.window if state is not None else None
     body = AdminError(error=error, detail=detail, window_in_force=in_force)
     return JSONResponse(body.model_dump(mode="json", by_alias=True), status_code=status, headers=headers)
 
@@ -67,8 +93,8 @@ def _unauthorized() -> JSONResponse:
     )
 
 
-def create_admin_app(ctx: ServingContext) -> FastAPI:
-    app = FastAPI(title="batchpilot runtime admin", version="0.1.0", docs_url=None, redoc_url=None)
+def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin") -> FastAPI:
+    app = FastAPI(title=title, version="0.1.0", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
 
     @app.get(
@@ -80,9 +106,9 @@ def create_admin_app(ctx: ServingContext) -> FastAPI:
     async def get_window(request: Request) -> JSONResponse:
         if not _token_ok(request.headers.get("authorization"), ctx.admin_token):
             return _unauthorized()
-        if ctx.loaded is None:
+        state = ctx.window_in_force()
+        if state is None:
             return JSONResponse({"error": "loading", "detail": "the model is still loading"}, status_code=503)
-        state = ctx.loaded.engine.window_state()
         return JSONResponse(state.model_dump(mode="json", by_alias=True))
 
     @app.put(
@@ -100,7 +126,7 @@ def create_admin_app(ctx: ServingContext) -> FastAPI:
         # 1. Authenticate before reading anything else.
         if not _token_ok(request.headers.get("authorization"), ctx.admin_token):
             return _unauthorized()
-        if ctx.loaded is None:
+        if ctx.window_in_force() is None:
             return _refusal(503, "loading", "the model is still loading", ctx)
         # 2. Decode the body as strict JSON and validate it against the wire model.
         try:
@@ -113,14 +139,13 @@ def create_admin_app(ctx: ServingContext) -> FastAPI:
             return _refusal(422, "invalid_window", error.message, ctx)
         except ValidationError as error:
             return _refusal(422, "invalid_window", describe_validation_error(error), ctx)
-        # 3. Let the engine decide against what is in force and what the pod can hold.
+        # 3. Let the engine (or the gate) decide against what is in force and what the pod can hold.
         try:
-            state = ctx.loaded.engine.update_window(update)
+            state = ctx.update_window(update)
         except StaleGenerationError as error:
             return _refusal(409, "stale_generation", str(error), ctx)
         except InvalidWindowError as error:
             return _refusal(422, "invalid_window", str(error), ctx)
-        ctx.window_changed(state)
         logger.info(
             "window updated", extra={"window": state.window.describe(), "lanes": [lane.name for lane in state.lanes]}
         )

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from batchpilot_runtime.contract.admin_api import WindowState
+from batchpilot_runtime.contract.admin_api import WindowState, WindowUpdate
 from batchpilot_runtime.server.metrics import MetricsExporter
 
 if TYPE_CHECKING:
@@ -74,6 +74,18 @@ class ServingContext:
 
     def window_changed(self, state: WindowState) -> None:
         self.metrics.on_window(state)
+
+    def window_in_force(self) -> WindowState | None:
+        """The window and lanes in force; None while the model loads (the admin API's 503)."""
+        return None if self.loaded is None else self.loaded.engine.window_state()
+
+    def update_window(self, update: WindowUpdate) -> WindowState:
+        """Stage ``update`` on the engine (its rules: ``AsyncEngine.update_window``) and export it."""
+        if self.loaded is None:
+            raise RuntimeError("update_window called while the model loads")
+        state = self.loaded.engine.update_window(update)
+        self.window_changed(state)
+        return state
 
     def not_live_reason(self) -> str | None:
         """Why /healthz fails: the engine loop died, or stalled (see ``watchdog``). Never while the

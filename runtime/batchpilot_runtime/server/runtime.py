@@ -11,77 +11,24 @@ written atomically once both ports answer and the model is loaded (see ``Runtime
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
-import tempfile
 import threading
-from collections.abc import Callable, Generator
-from pathlib import Path
+from collections.abc import Callable
 from typing import cast
-
-import uvicorn
-from fastapi import FastAPI
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE
 from batchpilot_runtime.server.admin import create_admin_app
 from batchpilot_runtime.server.app import create_serving_app
 from batchpilot_runtime.server.config import ServeConfig
 from batchpilot_runtime.server.context import LoadedModel, ServingContext, TextCodec
+from batchpilot_runtime.server.listen import QuietServer, bind_socket, http_server, load_admin_token, url_of
 from batchpilot_runtime.server.metrics import MetricsExporter
 from batchpilot_runtime.server.ready import RuntimeInfo, write_ready_file
 
 logger = logging.getLogger("batchpilot.runtime")
-
-GRACEFUL_CLOSE_S = 5
-
-
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signals to the runtime, which drains both ports together."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before serving so that port 0 resolves to a known free port (no probe-then-bind race)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-def load_admin_token(path: Path | None) -> tuple[str, Path]:
-    """The admin bearer token and the file it is in.
-
-    Without a file, a random token is written to a new private directory (mode 0700, file 0600)
-    and only its path is logged: the admin port is never open without a token.
-    """
-    if path is not None:
-        token = path.read_text().strip()
-        if not token:
-            raise ValueError(f"--admin-token-file {path}: the file is empty")
-        return token, path
-    directory = Path(tempfile.mkdtemp(prefix="batchpilot-admin-"))
-    token_path = directory / "token"
-    token = secrets.token_urlsafe(32)
-    fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
-    return token, token_path
-
-
-def _url(host: str, sock: socket.socket) -> str:
-    port = sock.getsockname()[1]
-    shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
 def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedModel:
@@ -117,19 +64,6 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
     )
 
 
-def _http_server(app: FastAPI) -> _Server:
-    return _Server(
-        uvicorn.Config(
-            app,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            ws="none",
-            timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
-        )
-    )
-
-
 class Runtime:
     def __init__(
         self,
@@ -161,7 +95,7 @@ class Runtime:
         self._force = force = asyncio.Event()
         serve_sock = bind_socket(config.host, config.port)
         admin_sock = bind_socket(config.host, config.admin_port)
-        servers = [_http_server(create_serving_app(self.ctx)), _http_server(create_admin_app(self.ctx))]
+        servers = [http_server(create_serving_app(self.ctx)), http_server(create_admin_app(self.ctx))]
         tasks = [
             asyncio.ensure_future(s.serve(sockets=[sock]))
             for s, sock in zip(servers, (serve_sock, admin_sock), strict=True)
@@ -221,7 +155,7 @@ class Runtime:
 
     async def _announce_ready(
         self,
-        servers: list[_Server],
+        servers: list[QuietServer],
         tasks: list[asyncio.Task[None]],
         serve_sock: socket.socket,
         admin_sock: socket.socket,
@@ -236,8 +170,8 @@ class Runtime:
         self.info = RuntimeInfo(
             pid=os.getpid(),
             model=config.model_name,
-            serve_url=_url(config.host, serve_sock),
-            admin_url=_url(config.host, admin_sock),
+            serve_url=url_of(config.host, serve_sock),
+            admin_url=url_of(config.host, admin_sock),
             admin_token_file=str(self.admin_token_file),
         )
         if config.ready_file is not None:
