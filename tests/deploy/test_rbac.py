@@ -166,6 +166,19 @@ _API_PATH = re.compile(
 )
 
 
+# The kubernetes client's calls: CoreV1Api's ``<verb>_namespaced_<kind>`` (resource = kind + "s"),
+# and CustomObjectsApi's ``<verb>_..._custom_object`` on this project's group and plural.
+_CORE_CALL = re.compile(r"\b_core\.(?:read|create|patch|replace|delete|list)_namespaced_(?P<kind>[a-z]+)\b")
+_CUSTOM_CALL = re.compile(r"\b_custom\.\w+_custom_object(?:_status)?,\s*GROUP,\s*VERSION,[^)]*\bPLURAL\b")
+
+
+def _client_calls(text: str) -> set[tuple[str, str]]:
+    found = {("", match.group("kind") + "s") for match in _CORE_CALL.finditer(text)}
+    if _CUSTOM_CALL.search(text):
+        found.add((GROUP, "batchprofiles"))
+    return found
+
+
 _PROMETHEUS_API = frozenset(
     {
         "query",
@@ -197,5 +210,7 @@ def test_every_resource_the_operator_code_calls_is_declared() -> None:
             if not group and match.group("resource") in _PROMETHEUS_API:
                 continue  # Prometheus' HTTP API (the demo's fake Prometheus), not Kubernetes'
             found.add((group, match.group("resource")))
+        found |= _client_calls(path.read_text())
     assert ("", "secrets") in found and ("", "events") in found  # the extraction sees the calls
+    assert (GROUP, "batchprofiles") in found
     assert found <= declared, f"undeclared: {sorted(found - declared)}"
