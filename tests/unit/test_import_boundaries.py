@@ -50,6 +50,9 @@ CONTROL_CORE_MODULES = (
     "batchpilot_operator.control.records,batchpilot_operator.control.registry,"
     "batchpilot_operator.control.conditions,batchpilot_operator.control.facts,batchpilot_operator.io.outcomes"
 )
+# batchpilot-gate runs as a sidecar beside an engine: no torch, no model, no tokenizer, no chat templates.
+GATE_FORBIDDEN = "torch,transformers,safetensors,tokenizers,gguf,jinja2,numpy,kopf,kubernetes,prometheus_api_client"
+GATE_MODULES = "batchpilot_runtime.gate.*"
 CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.contract.window,batchpilot_runtime.contract.admin_api,batchpilot_runtime.contract.metric_names,batchpilot_runtime.replay.trace"
 
 
@@ -71,6 +74,7 @@ def _run(forbidden: str, targets: str, skip: str = "") -> subprocess.CompletedPr
         pytest.param(CONTRACT_FORBIDDEN, CONTRACT_MODULES, id="contract-without-torch-or-web"),
         pytest.param(PURE_FORBIDDEN, PURE_MODULES, id="pure-parts-without-io"),
         pytest.param(PURE_FORBIDDEN, CONTROL_CORE_MODULES, id="control-core-without-io"),
+        pytest.param(GATE_FORBIDDEN, GATE_MODULES, id="gate-without-torch-or-model"),
     ],
 )
 def test_import_boundary(forbidden: str, targets: str) -> None:

@@ -1,0 +1,346 @@
+"""The gate's serving port: an ASGI app that admits OpenAI requests through the ``Gate`` and passes
+them to the upstream engine.
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` wait for admission (429 with
+  Retry-After on a full queue, 400 naming ``lane`` for an unknown lane, 503 while draining), then go
+  upstream unchanged; the answer comes back unchanged, a streamed one chunk for chunk as the
+  upstream sends it (nothing is buffered). An upstream that cannot be reached, or fails before it
+  answers, is a 502 naming the upstream; one that fails mid-stream ends the stream with an SSE error
+  event. A client that hangs up, waiting or streaming, frees its place at once and the upstream
+  request is closed.
+- ``GET /v1/models`` and ``GET /health`` pass through without admission; ``/healthz`` answers for
+  the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own.
+
+Raw ASGI rather than a framework: the hot path is read body, await admission, stream bytes, and
+each layer a framework adds is latency on every chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
+from batchpilot_runtime.gate.admission import Admitted
+from batchpilot_runtime.gate.service import Gate
+from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, RequestTimings
+from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
+
+logger = logging.getLogger("batchpilot.gate")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+PASSTHROUGH_PATHS = frozenset({"/v1/models", "/health"})
+MAX_BODY_BYTES = 16 * 1024 * 1024
+DRAINING_RETRY_AFTER_S = 1
+# Headers that belong to one hop (RFC 9110 section 7.6.1), never forwarded either way; uvicorn sets its own.
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer"}
+    | {b"transfer-encoding", b"upgrade"}
+)
+# A forwarded request also loses the client's Host and length: httpx sets both for the upstream.
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length"}
+_LANE_HEADER = LANE_HEADER.lower().encode()
+_SSE_EVENT = b"data:"
+_SSE_DONE = b"data: [DONE]"
+_USAGE_KEY = b'"usage"'
+
+
+class _ClientGone(Exception):
+    """The client hung up before its request was read."""
+
+
+class _Refused(Exception):
+    """An answer the gate gives itself, in OpenAI's error shape."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
+        self.headers = headers or {}
+
+
+@dataclass
+class _Exchange:
+    """One admitted request's measurements, taken at the proxy."""
+
+    arrival_s: float
+    lane: str
+    admitted: Admitted | None = None
+    first_chunk_s: float | None = None
+    last_chunk_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    events: int = 0
+    tail: bytes = b""  # the last bytes of the answer, where a usage object would be
+    outcome: str = "cancelled"
+    response_started: bool = False
+    streamed: bool = False
+
+
+async def _send_simple(send: Send, status: int, body: bytes, content_type: bytes, headers: dict[str, str]) -> None:
+    raw_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _Refused(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _lane_of(scope: Scope, body: bytes) -> str:
+    """The lane header, else a top-level ``lane`` field of the body (the runtime's two ways)."""
+    for name, value in scope["headers"]:
+        if name == _LANE_HEADER:
+            return str(value.decode("latin-1").strip()) or DEFAULT_LANE
+    if b'"lane"' in body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return DEFAULT_LANE  # the upstream answers the malformed body itself
+        if isinstance(parsed, dict) and isinstance(parsed.get("lane"), str):
+            return str(parsed["lane"])
+    return DEFAULT_LANE
+
+
+def _usage_tokens(tail: bytes, streamed: bool) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of the usage object that ends an answer (``tail``: its last bytes;
+    streamed: the last SSE event carrying one), when the upstream sent one."""
+    if _USAGE_KEY not in tail:
+        return None
+    if streamed:
+        events = [e for e in tail.split(b"\n\n") if _USAGE_KEY in e]
+        text = events[-1].strip().removeprefix(_SSE_EVENT)
+    else:
+        text = tail
+    try:
+        usage = json.loads(text).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return prompt, completion
+    return None
+
+
+class GateApp:
+    """The serving port's ASGI app (see the module docstring)."""
+
+    def __init__(self, gate: Gate, upstream: str, client: httpx.AsyncClient) -> None:
+        self.gate = gate
+        self.upstream = upstream.rstrip("/")
+        self.client = client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in ADMITTED_PATHS and method == "POST":
+                await self._admitted(scope, receive, send)
+            elif path in PASSTHROUGH_PATHS and method == "GET":
+                await self._passthrough(scope, send)
+            elif path == "/metrics" and method == "GET":
+                await _send_simple(send, 200, self.gate.metrics.exposition(), EXPOSITION_CONTENT_TYPE.encode(), {})
+            elif path == "/healthz" and method == "GET":
+                await _send_simple(send, 200, b"ok", b"text/plain", {})
+            elif path == "/readyz" and method == "GET":
+                await self._readyz(send)
+            else:
+                raise _Refused(404, f"{method} {path}: not served by batchpilot-gate", "not_found_error")
+        except _Refused as refusal:
+            await _send_simple(send, refusal.status, refusal.body, b"application/json", refusal.headers)
+
+    # -- the admitted routes -------------------------------------------------------------------
+
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gate = self.gate
+        arrival_s = gate.clock()
+        try:
+            body = await _read_body(receive)
+        except _ClientGone:
+            return
+        if gate.draining:
+            raise _Refused(
+                503,
+                "the gate is draining; retry on another replica",
+                "service_unavailable",
+                headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+            )
+        lane = _lane_of(scope, body)
+        try:
+            request_id, admission = gate.enqueue(lane)
+        except QueueFullError as error:
+            retry_after_s = max(1, math.ceil(error.retry_after_s))
+            raise _Refused(
+                429,
+                f"the waiting queue is full; retry in {retry_after_s} s",
+                "rate_limit_exceeded",
+                headers={"Retry-After": str(retry_after_s)},
+            ) from None
+        except RequestRejected as error:
+            raise _Refused(400, str(error), "invalid_request_error", param=error.field) from None
+        exchange = _Exchange(arrival_s=arrival_s, lane=lane)
+        work = asyncio.ensure_future(self._forward(scope, body, admission, exchange, send))
+        watch = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client hung up: stop waiting or streaming, close the upstream request
+                exchange.outcome = "cancelled"
+                work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            failure = None if work.cancelled() else work.exception()
+            if isinstance(failure, OSError):  # a write to a client that has gone
+                exchange.outcome = "cancelled"
+            elif failure is not None:
+                logger.error("gate request failed", exc_info=failure)
+                exchange.outcome = "error"
+                if not exchange.response_started:
+                    refusal = _Refused(500, f"the gate failed: {failure!r}", "internal_error")
+                    await _send_simple(send, 500, refusal.body, b"application/json", {})
+        finally:
+            watch.cancel()
+            gate.release(request_id)
+            self._report(exchange)
+
+    async def _forward(
+        self, scope: Scope, body: bytes, admission: asyncio.Future[Admitted], exchange: _Exchange, send: Send
+    ) -> None:
+        exchange.admitted = await admission
+        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
+        request = self.client.build_request(
+            scope["method"], self.upstream + scope["path"], content=body, headers=headers
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            exchange.outcome = "error"
+            await self._bad_gateway(send, error)
+            return
+        try:
+            await self._relay(response, exchange, send)
+        finally:
+            await response.aclose()
+
+    async def _relay(self, response: httpx.Response, exchange: _Exchange, send: Send) -> None:
+        # Raw bytes go back as they came (aiter_raw: not decoded), so the upstream's length and encoding hold.
+        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        exchange.response_started = True
+        streamed = exchange.streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+        clock = self.gate.clock
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                now_s = clock()
+                if streamed:
+                    self._observe_chunk(exchange, chunk, now_s)
+                exchange.tail = (exchange.tail + chunk)[-65536:]
+        except httpx.HTTPError as error:
+            exchange.outcome = "error"
+            logger.warning("upstream failed mid-answer", extra={"upstream": self.upstream, "error": repr(error)})
+            if streamed:
+                message = f"upstream {self.upstream} failed mid-stream: {error!r}"
+                event = json.dumps({"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}})
+                await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.body", "body": b""})
+        status = response.status_code
+        exchange.outcome = "completed" if status < 400 else "rejected" if status < 500 else "error"
+
+    @staticmethod
+    def _observe_chunk(exchange: _Exchange, chunk: bytes, now_s: float) -> None:
+        events = chunk.count(_SSE_EVENT) - chunk.count(_SSE_DONE)
+        if events <= 0:
+            return
+        if exchange.first_chunk_s is None:
+            exchange.first_chunk_s = now_s
+        elif exchange.last_chunk_s is not None:
+            exchange.gaps_s.append(now_s - exchange.last_chunk_s)
+        exchange.last_chunk_s = now_s
+        exchange.events += events
+
+    async def _bad_gateway(self, send: Send, error: httpx.HTTPError) -> None:
+        refusal = _Refused(502, f"upstream {self.upstream} did not answer: {error!r}", "bad_gateway")
+        await _send_simple(send, refusal.status, refusal.body, b"application/json", {})
+
+    def _report(self, exchange: _Exchange) -> None:
+        admitted = exchange.admitted
+        usage = _usage_tokens(exchange.tail, exchange.streamed) if exchange.response_started else None
+        prompt_tokens, completion_tokens = usage if usage is not None else (0, exchange.events)
+        finished_s = self.gate.clock()
+        timings = RequestTimings(
+            arrival_s=exchange.arrival_s,
+            first_admitted_s=None if admitted is None else admitted.admitted_s,
+            first_token_s=exchange.first_chunk_s,
+            finished_s=finished_s,
+            prompt_tokens=prompt_tokens,
+            output_tokens=completion_tokens,
+            lane=exchange.lane,
+            tail_marked=admitted is not None and admitted.tail_marked,
+            preemptions=0,
+        )
+        self.gate.finished(timings, exchange.outcome, completion_tokens, exchange.gaps_s)
+
+    # -- the routes without admission ----------------------------------------------------------
+
+    async def _passthrough(self, scope: Scope, send: Send) -> None:
+        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
+        try:
+            response = await self.client.get(self.upstream + scope["path"], headers=headers)
+        except httpx.HTTPError as error:
+            await self._bad_gateway(send, error)
+            return
+        # httpx decoded the body: its encoding and length headers no longer apply.
+        dropped = _NOT_FORWARDED | {b"content-encoding"}
+        kept = {k: v for k, v in response.headers.items() if k.encode() not in dropped}
+        content_type = kept.pop("content-type", "application/json")
+        await _send_simple(send, response.status_code, response.content, content_type.encode(), kept)
+
+    async def _readyz(self, send: Send) -> None:
+        if self.gate.draining:
+            raise _Refused(503, "draining", "service_unavailable")
+        try:
+            response = await self.client.get(self.upstream + "/health", timeout=2.0)
+        except httpx.HTTPError as error:
+            raise _Refused(
+                503, f"upstream {self.upstream} is not reachable: {error!r}", "service_unavailable"
+            ) from None
+        if response.status_code != 200:
+            raise _Refused(
+                503, f"upstream {self.upstream}/health answered {response.status_code}", "service_unavailable"
+            )
+        await _send_simple(send, 200, b"ok", b"text/plain", {})
