@@ -69,6 +69,7 @@ from batchpilot_operator.control.records import (
     window_from_status,
 )
 from batchpilot_operator.control.registry import Registry
+from batchpilot_operator.control.sglang_sync import SGLangSync
 from batchpilot_operator.control.status import (
     UNKNOWN,
     ConditionFact,
@@ -83,6 +84,7 @@ from batchpilot_operator.io.observe import MetricsUnavailable, ModelKey, ModelMe
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.outbound import base_url
 from batchpilot_operator.io.push import CONFLICT, ERROR, OK, AdminClient
+from batchpilot_operator.io.sglang import SGLangClient
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning import policy_memo
 from batchpilot_runtime.contract.window import Window
@@ -103,6 +105,7 @@ class Controller:
         wall_clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         on_decision: Callable[[ProfileRecord, policy_mod.Decision], None] | None = None,
+        sglang: SGLangClient | None = None,
     ) -> None:
         self._settings = settings
         self.source = source
@@ -117,6 +120,7 @@ class Controller:
         self.pods = self.registry.pods
         self.events = Events(sink, settings.max_events_per_tick)
         self.syncer = Syncer(settings, admin, sink, self.metrics, monotonic, self._queue_event)
+        self.sglang = SGLangSync(sglang or SGLangClient(timeout_s=admin.timeout_s))
         self.last_tick_started_s: float | None = None
         self.last_tick_finished_s: float | None = None
         self.ticks = 0
@@ -218,6 +222,7 @@ class Controller:
         for record in matching:
             record.sync.pod_states.pop(pod.key, None)
             record.sync.refused.pop(pod.key, None)
+            record.sync.applied.pop(pod.key, None)
         return matching
 
     def remove_pod(self, namespace: str, name: str) -> None:
@@ -499,6 +504,11 @@ class Controller:
             record.loop.push_pending = False
             return
         pods = [p for p in self.pods_of(record) if p.ready]
+        if spec.engine == EngineKind.SGLANG:
+            # SGLang has no window: its cap and budget go through /set_internal_state (control/sglang_sync.py).
+            await self.sglang.sync(record, pods, window)
+            record.loop.push_pending = False
+            return
         results, not_sent = await self.syncer.push(record, pods, window)
         newest = newest_conflict(results)
         if newest is not None and newest >= window.generation:

@@ -47,8 +47,13 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
             p
             for p in ready_pods
             if window is not None
-            and (state := record.sync.pod_states.get(p.key)) is not None
-            and state.window.generation >= window.generation
+            and (
+                (
+                    (state := record.sync.pod_states.get(p.key)) is not None
+                    and state.window.generation >= window.generation
+                )
+                or record.sync.applied.get(p.key, 0) >= window.generation
+            )
             and p.key not in record.sync.pod_errors
         ]
     ready_keys = {p.key for p in ready_pods}

@@ -104,6 +104,8 @@ class PodSync:
     refused: dict[str, int] = field(default_factory=dict)  # generation refused: not pushed again until it changes
     clamped: dict[str, str] = field(default_factory=dict)  # how each pod clamped the window it was sent
     verified_s: dict[str, float] = field(default_factory=dict)  # when each pod was last read back (monotonic)
+    # Engines without a window (SGLang): the generation whose settings each pod was last found holding.
+    applied: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
 
 

@@ -497,6 +497,7 @@ class OperatorApp:
         self._tasks.clear()
         await self.controller.drain_events(timeout_s=2.0)
         await self.admin.aclose()
+        await self.controller.sglang.client.aclose()
         await self.kube.aclose()
         if self.source is not None:
             self.source.close()

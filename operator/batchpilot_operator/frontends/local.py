@@ -215,6 +215,7 @@ async def run_local(
     finally:
         await controller.drain_events()
         await admin.aclose()
+        await controller.sglang.client.aclose()
         if prometheus_url:
             source.close()
         else:

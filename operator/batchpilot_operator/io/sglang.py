@@ -74,16 +74,20 @@ class SGLangClient:
     ) -> None:
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
-        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._client = client  # made on first use: an operator with no SGLang profile opens nothing
         self.requests_total = 0
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     async def _call(self, method: str, url: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
         self.requests_total += 1
         try:
             async with asyncio.timeout(self.timeout_s):
+                if self._client is None:
+                    self._client = httpx.AsyncClient(timeout=self.timeout_s)
                 request = self._client.build_request(method, url, json=body)
                 response = await self._client.send(request, stream=True)
                 try:
