@@ -3,8 +3,9 @@
     .venv/bin/python tests/bench/bench_runtime.py --quick      # < 3 minutes on the 2-core CPU box
     .venv/bin/python tests/bench/bench_runtime.py               # the full run
 
-On the same weights (the ``small`` preset, seeded) and the same requests (a slice of the
-trace, time- and token-scaled so that this CPU machine is loaded; the scaling is printed):
+On the same weights (the ``small`` preset, seeded, or a real checkpoint with ``--checkpoint``,
+e.g. ``smollm2-135m-instruct``) and the same requests (a slice of the trace, time- and
+token-scaled so that this CPU machine is loaded; the scaling is printed):
 
 1. ``continuous``: batchpilot continuous batching,
 2. ``static``: batchpilot static batching with the same window,
@@ -49,6 +50,7 @@ from batchpilot_runtime.model.config import config_from_name, describe
 from batchpilot_runtime.model.kernels import BATCH_INVARIANT_ENV
 from batchpilot_runtime.model.kv_cache import PagedKVCache
 from batchpilot_runtime.model.model import LlamaModel
+from batchpilot_runtime.model.sources import load_checkpoint, resolve_checkpoint
 from batchpilot_runtime.model.tokenizer import ByteTokenizer
 from batchpilot_runtime.replay.trace import (
     DEFAULT_TRACE_PATH,
@@ -439,7 +441,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a smaller replay that finishes in < 3 minutes here")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE_PATH, help="Azure-format trace CSV")
-    parser.add_argument("--preset", default="small", help="model preset (default: small)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="small", help="model preset with seeded random weights (default: small)")
+    source.add_argument(
+        "--checkpoint", help="a named model (smollm2-135m-instruct), a Llama GGUF file or a safetensors directory"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompt seed")
     parser.add_argument("--requests", type=int, help="requests taken from the trace (default 128; quick 32)")
     parser.add_argument("--start-s", type=float, default=0.0, help="where the slice starts in the original trace")
@@ -483,18 +489,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def load_model(args: argparse.Namespace) -> tuple[LlamaModel, str]:
+    """The model every system serves, and its name: a preset with seeded weights, or a checkpoint."""
+    if args.checkpoint is None:
+        config = config_from_name(args.preset)
+        return LlamaModel.random(config, args.seed, "cpu", torch.float32, args.batch_invariant), args.preset
+    source = resolve_checkpoint(args.checkpoint)
+    model, _tokenizer = load_checkpoint(source, "cpu", torch.float32, args.batch_invariant)
+    return model, source.name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.monotonic()
-    config = config_from_name(args.preset)
-    model = LlamaModel.random(config, args.seed, "cpu", torch.float32, batch_invariant=args.batch_invariant)
+    model, model_name = load_model(args)
+    config = model.config
     jobs, scaling = make_jobs(args, config.vocab_size)
     prompt_tokens = [len(j.prompt) for j in jobs]
     output_tokens = [j.output_tokens for j in jobs]
     window = Window(target_batch_size=args.target_batch_size, hard_cap=args.hard_cap, max_wait_ms=args.max_wait_ms)
     print(
-        f"model: {args.preset} ({config.num_parameters / 1e6:.1f} M parameters), cpu fp32, {args.threads} thread(s), "
+        f"model: {model_name} ({config.num_parameters / 1e6:.1f} M parameters), cpu fp32, {args.threads} thread(s), "
         f"batch-invariant {'on' if model.batch_invariant else 'off'}"
     )
     print(f"trace: {args.trace.name}, {len(jobs)} requests, scaling: {scaling.describe()}")
@@ -556,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "token_agreement_with_continuous": agreement,
         "batching": extra,
         "config": {
-            "preset": args.preset,
+            "preset": model_name,
+            "checkpoint": args.checkpoint,
             "model": describe(config),
             "device": "cpu",
             "dtype": "float32",
