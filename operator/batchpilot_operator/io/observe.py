@@ -144,6 +144,9 @@ class ModelMetrics:
 
     @property
     def mean_batch_size(self) -> float | None:
+        if self.decode_batch_count_per_s is None and self.running is not None and self.pods_reporting:
+            # An engine without a batch-size histogram (vLLM, SGLang): its running set per pod, as sampled.
+            return self.running / self.pods_reporting
         if not self.decode_batch_count_per_s or self.decode_batch_sum_per_s is None:
             return None
         return self.decode_batch_sum_per_s / self.decode_batch_count_per_s
