@@ -61,3 +61,15 @@ async def test_an_sglang_profile_in_recommend_mode_sends_nothing() -> None:
     status = await run_one_tick(standin, mode="recommend")
     assert standin.posts == []
     assert condition(status, "Synced")["reason"] == "RecommendOnly"
+
+
+async def test_the_status_names_the_mode_in_force_for_kubectl_get() -> None:
+    """tuning.mode unset: the status says the engine's default, which the Mode printer column shows."""
+    from batchpilot_operator.api.crd import custom_resource_definition
+
+    status = await run_one_tick(SGLangStandIn(allow=PROPOSED_KEYS))
+    assert status["mode"] == "adaptive"
+    columns = custom_resource_definition()["spec"]["versions"][0]["additionalPrinterColumns"]
+    assert {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "tuning mode in force"} in (
+        columns
+    )

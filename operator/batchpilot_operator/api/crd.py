@@ -36,7 +36,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "P99", "type": "number", "jsonPath": ".status.observed.p99Ms", "description": "observed P99, ms"},
     {"name": "SLO", "type": "number", "jsonPath": ".spec.slo.p99Ms", "description": "P99 target, ms"},
     {"name": "Synced", "type": "string", "jsonPath": ".status.pods.summary", "description": "synced/ready pods"},
-    {"name": "Mode", "type": "string", "jsonPath": ".spec.tuning.mode"},
+    {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "tuning mode in force"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

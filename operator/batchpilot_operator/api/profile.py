@@ -519,6 +519,9 @@ class Condition(CamelModel):
 
 class BatchProfileStatus(CamelModel):
     observed_generation: int | None = Field(default=None, description="metadata.generation last acted on.")
+    mode: TuningMode | None = Field(
+        default=None, description="The tuning mode in force: spec.tuning.mode, or the engine's default when unset."
+    )
     window: WindowInForce | None = Field(default=None, description="The window in force.")
     observed: Observed | None = Field(default=None, description="Figures of the last observation.")
     friendliness: FriendlinessStatus | None = Field(default=None, description="Measured batch-friendliness.")

@@ -72,6 +72,7 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
     obs = record.memory.observations
     return StatusFacts(
         generation=record.generation,
+        mode=spec.mode,
         window=WindowInForce(**shown.model_dump(), applied_at=None) if shown is not None else None,
         observed=obs.to_status() if obs is not None else None,
         pods=PodsStatus(

@@ -23,6 +23,7 @@ from batchpilot_operator.api.profile import (
     Observed,
     PodsStatus,
     PolicyMemory,
+    TuningMode,
     WindowInForce,
 )
 from batchpilot_runtime.contract.window import Window
@@ -46,6 +47,7 @@ class StatusFacts:
     """What one tick established about one profile."""
 
     generation: int | None
+    mode: TuningMode | None = None  # the mode in force (spec.tuning.mode or the engine's default)
     window: WindowInForce | None = None
     observed: Observed | None = None
     pods: PodsStatus | None = None
@@ -96,6 +98,7 @@ def build_status(facts: StatusFacts, previous_status: Mapping[str, Any] | None, 
             observed = observed.model_copy(update={"at": old.get("at")})
     status = BatchProfileStatus(
         observed_generation=facts.generation,
+        mode=facts.mode,
         window=facts.window,
         observed=observed,
         friendliness=facts.friendliness,
