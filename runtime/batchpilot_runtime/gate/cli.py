@@ -14,11 +14,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
+from typing import Any
 
 from batchpilot_runtime.cli.args import add_env_flag, env_name, port_number, positive_int
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT, LaneWindow
@@ -26,6 +25,7 @@ from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.gate.admission import GateLimits
 from batchpilot_runtime.gate.proxy import GateApp
 from batchpilot_runtime.gate.service import Gate
+from batchpilot_runtime.gate.upstream import UpstreamPools
 from batchpilot_runtime.server.admin import create_admin_app
 from batchpilot_runtime.server.config import parse_lane, window_from_flags
 from batchpilot_runtime.server.listen import bind_socket, http_server, load_admin_token, url_of
@@ -34,9 +34,8 @@ from batchpilot_runtime.server.ready import RuntimeInfo, write_ready_file
 
 logger = logging.getLogger("batchpilot.gate")
 
-# Connections beyond the cap are never needed (the cap bounds requests in flight); a few more serve
-# /v1/models, /health and /readyz beside a full window.
-SPARE_CONNECTIONS = 8
+# Slots beyond --max-hard-cap: admission never uses them; a margin, not a need.
+SPARE_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -173,22 +172,16 @@ async def run_gate(
         token,
         config.max_model_len,
     )
-    limits = httpx.Limits(
-        max_connections=config.limits.max_hard_cap + SPARE_CONNECTIONS,
-        max_keepalive_connections=config.limits.max_hard_cap + SPARE_CONNECTIONS,
-    )
-    # No read timeout: a stream lasts as long as the engine generates; its end or a hang-up closes it.
-    timeout = httpx.Timeout(None, connect=config.connect_timeout_s)
     own_stop = stop is None
     stop = stop or asyncio.Event()
     if own_stop:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers={"accept-encoding": "identity"}) as client:
+    async with UpstreamPools(config.limits.max_hard_cap + SPARE_SLOTS, config.connect_timeout_s) as pools:
         serve_sock = bind_socket(config.host, config.port)
         admin_sock = bind_socket(config.host, config.admin_port)
         servers = [
-            http_server(GateApp(gate, config.upstream, client)),
+            http_server(GateApp(gate, config.upstream, pools)),
             http_server(create_admin_app(gate, "batchpilot gate admin")),
         ]
         tasks = [
@@ -233,13 +226,23 @@ async def run_gate(
     return 0
 
 
+def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:
+    """uvloop's when installed (uvicorn[standard] brings it; vLLM and SGLang serve on it): every chunk
+    crosses the loop twice, and uvloop's transports halve what that costs."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
         configure_logging(config.log_level)
-        return asyncio.run(run_gate(config))
+        return _event_loop_runner()(run_gate(config))
     except KeyboardInterrupt:
         return 130
     except (OSError, ValueError) as error:

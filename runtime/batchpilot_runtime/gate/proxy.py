@@ -30,6 +30,7 @@ import httpx
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.gate.admission import Admitted
 from batchpilot_runtime.gate.service import Gate
+from batchpilot_runtime.gate.upstream import UpstreamPools
 from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, RequestTimings
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 
@@ -158,10 +159,10 @@ def _usage_tokens(tail: bytes, streamed: bool) -> tuple[int, int] | None:
 class GateApp:
     """The serving port's ASGI app (see the module docstring)."""
 
-    def __init__(self, gate: Gate, upstream: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, gate: Gate, upstream: str, pools: UpstreamPools) -> None:
         self.gate = gate
         self.upstream = upstream.rstrip("/")
-        self.client = client
+        self.pools = pools
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -240,19 +241,23 @@ class GateApp:
     ) -> None:
         exchange.admitted = await admission
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
-        request = self.client.build_request(
-            scope["method"], self.upstream + scope["path"], content=body, headers=headers
-        )
+        slot, client = self.pools.take()
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as error:
-            exchange.outcome = "error"
-            await self._bad_gateway(send, error)
-            return
-        try:
-            await self._relay(response, exchange, send)
+            request = client.build_request(
+                scope["method"], self.upstream + scope["path"], content=body, headers=headers
+            )
+            try:
+                response = await client.send(request, stream=True)
+            except httpx.HTTPError as error:
+                exchange.outcome = "error"
+                await self._bad_gateway(send, error)
+                return
+            try:
+                await self._relay(response, exchange, send)
+            finally:
+                await response.aclose()
         finally:
-            await response.aclose()
+            self.pools.give_back(slot)
 
     async def _relay(self, response: httpx.Response, exchange: _Exchange, send: Send) -> None:
         # Raw bytes go back as they came (aiter_raw: not decoded), so the upstream's length and encoding hold.
@@ -320,7 +325,7 @@ class GateApp:
     async def _passthrough(self, scope: Scope, send: Send) -> None:
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
         try:
-            response = await self.client.get(self.upstream + scope["path"], headers=headers)
+            response = await self.pools.side.get(self.upstream + scope["path"], headers=headers)
         except httpx.HTTPError as error:
             await self._bad_gateway(send, error)
             return
@@ -334,7 +339,7 @@ class GateApp:
         if self.gate.draining:
             raise _Refused(503, "draining", "service_unavailable")
         try:
-            response = await self.client.get(self.upstream + "/health", timeout=2.0)
+            response = await self.pools.side.get(self.upstream + "/health", timeout=2.0)
         except httpx.HTTPError as error:
             raise _Refused(
                 503, f"upstream {self.upstream} is not reachable: {error!r}", "service_unavailable"
