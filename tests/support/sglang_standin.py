@@ -9,7 +9,7 @@
 
 ``allow`` is the allow-list: SGLang's today (``UPSTREAM_KEYS``) or one with the cap and the prefill budget
 added, as SGLang #37661 proposes (``PROPOSED_KEYS``). ``endpoint=False`` serves neither path (404), as a
-server from before the endpoint.
+server from before the endpoints, ``set_endpoint=False`` one from before ``/set_internal_state``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class SGLangStandIn:
     allow: frozenset[str] = UPSTREAM_KEYS
     schedulers: int = 1  # data-parallel ranks: one answer and one internal state each
     endpoint: bool = True
+    set_endpoint: bool = True  # False: /get_server_info only, as a release from before /set_internal_state
     server_args: dict[str, Any] = field(
         default_factory=lambda: {
             "model_path": "Qwen/Qwen2.5-7B-Instruct",
@@ -79,7 +80,7 @@ def sglang_standin(standin: SGLangStandIn, host: str = "127.0.0.1") -> Iterator[
                 self._answer(200, standin.server_info())
 
         def do_POST(self) -> None:
-            if self.path != "/set_internal_state" or not standin.endpoint:
+            if self.path != "/set_internal_state" or not (standin.endpoint and standin.set_endpoint):
                 self._answer(404, {"detail": "Not Found"})
                 return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")

@@ -81,3 +81,16 @@ async def test_an_unreachable_server_is_an_error_naming_the_url() -> None:
     with pytest.raises(SGLangError, match=r"GET http://127\.0\.0\.1:9/get_server_info"):
         await client.apply("http://127.0.0.1:9", SETTINGS, LiveKeys())
     await client.aclose()
+
+
+async def test_a_release_without_set_internal_state_takes_nothing_live_and_is_asked_once() -> None:
+    standin = SGLangStandIn(allow=PROPOSED_KEYS, set_endpoint=False)
+    client = SGLangClient()
+    known = LiveKeys()
+    with sglang_standin(standin) as url:
+        first = await client.apply(url, SETTINGS, known)
+        second = await client.apply(url, SETTINGS, known)
+    await client.aclose()
+    assert first.not_live == second.not_live == SETTINGS
+    assert set(known.refused) == set(SETTINGS)
+    assert client.requests_total == 2 + 1 + 1  # info, one 404 POST, info; then info alone
