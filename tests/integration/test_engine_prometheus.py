@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 from batchpilot_operator.frontends.local import parse_runtime, run_local
+from batchpilot_operator.io.observe import to_observations
+from batchpilot_operator.io.promql import PrometheusSource
 from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
 from tests.support.engine_expositions import EngineExposition, Load, serving
 from tests.support.factories import make_manifest, make_spec_dict
@@ -80,8 +82,20 @@ async def test_vllm_and_sglang_profiles_read_through_prometheus_recommend_in_the
                 output="json",
                 out=out,
             )
+            # The same queries read directly: vLLM's old names (another ITL and KV value) are not added in.
+            source = PrometheusSource(prometheus.url, scrape_interval_s=1.0, interval_s=2.0, namespace_label=None)
+            try:
+                metrics = await source.collect({}, ["vllm", "sglang"])
+            finally:
+                source.close(wait=True)
         finally:
             prometheus.stop()
+    assert source.last_stats.queries == 3
+    for model in ("llama", "qwen"):
+        obs = to_observations(metrics[("", model)], "ttft", at_s=0.0)
+        assert obs.kv_usage_ratio == pytest.approx(SLOW_FIRST_TOKENS.kv_usage)
+        assert 0.01 < obs.itl_p99_s <= 0.025  # 20 ms gaps; vLLM's old name holds 200 ms ones
+        assert obs.queue_depth == 200 and obs.mean_batch_size == 128
     print(out.getvalue())
     lines = [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
     by_model = {line["model"]: line for line in lines if line["direction"] == "recommend"}
