@@ -52,7 +52,7 @@ async def one_stream(host: str, port: int, body: bytes) -> float:
         tail = (tail + chunk)[-64:]
     writer.close()
     if first_s is None or not head.startswith(b"HTTP/1.1 200") or b"[DONE]" not in tail:
-        raise RuntimeError(f"no whole stream from {host}:{port}: {head[:200]!r}")
+        raise RuntimeError(f"no whole stream from {host}:{port}: {head[:600]!r}")
     return first_s
 
 
@@ -64,6 +64,12 @@ async def run_round(url: str, concurrency: int, per_stream: int, body: bytes) ->
 
     results = await asyncio.gather(*(worker() for _ in range(concurrency)))
     return [ttft for stream in results for ttft in stream]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def serve_upstream(ready_file: Path, tokens: int, token_gap_s: float) -> None:
@@ -128,7 +134,7 @@ def main() -> int:
             )  # fmt: skip
             wait_for(gate_file, gate, "the gate")
             gate_url = RuntimeInfo.read(gate_file).serve_url
-            result = asyncio.run(measure(args, upstream_url, gate_url, body))
+            result = asyncio.run(measure(args, upstream_url, gate_url, body, gate.pid))
         finally:
             for process in (gate, upstream):
                 if process is not None:
@@ -142,20 +148,27 @@ def main() -> int:
         f"direct TTFT P50 {result['direct_ms']['p50']:.2f} ms, P99 {result['direct_ms']['p99']:.2f} ms; "
         f"through the gate P50 {result['gate_ms']['p50']:.2f} ms, P99 {result['gate_ms']['p99']:.2f} ms; "
         f"added P50 {added['p50']:.2f} ms, P99 {added['p99']:.2f} ms "
-        f"({result['samples_per_mode']} streams each, {args.concurrency} at once); wrote {args.json}"
+        f"({result['samples_per_mode']} streams each, {args.concurrency} at once); gate CPU "
+        f"{result['gate_cpu_us_per_request']:.0f} us a request, {result['gate_cpu_us_per_chunk']:.0f} us a chunk; "
+        f"wrote {args.json}"
     )
     return 0
 
 
-async def measure(args: argparse.Namespace, upstream_url: str, gate_url: str, body: bytes) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, upstream_url: str, gate_url: str, body: bytes, gate_pid: int
+) -> dict[str, Any]:
     for url in (upstream_url, gate_url):  # warm-up: connections, caches, the gate's upstream pool
         await run_round(url, args.concurrency, 2, body)
     direct: list[float] = []
     gated: list[float] = []
     round_added_p50_ms: list[float] = []
+    gate_cpu_s = 0.0  # the gate's CPU time over its rounds (it idles through the direct ones)
     for _ in range(args.rounds):
         direct_round = await run_round(upstream_url, args.concurrency, args.per_stream, body)
+        cpu_before_s = cpu_seconds(gate_pid)
         gate_round = await run_round(gate_url, args.concurrency, args.per_stream, body)
+        gate_cpu_s += cpu_seconds(gate_pid) - cpu_before_s
         direct += direct_round
         gated += gate_round
         round_added_p50_ms.append(1000 * (statistics.median(gate_round) - statistics.median(direct_round)))
@@ -178,6 +191,9 @@ async def measure(args: argparse.Namespace, upstream_url: str, gate_url: str, bo
         "added_ttft_ms": {q: gate_ms[q] - direct_ms[q] for q in ("p50", "p99", "mean")},
         "added_p50_by_round_ms": round_added_p50_ms,
         "goal_ms": {"p50": 1.0, "p99": 5.0},
+        # What the gate's proxying costs, whatever the host's load: CPU per request and per chunk passed on.
+        "gate_cpu_us_per_request": 1e6 * gate_cpu_s / len(gated),
+        "gate_cpu_us_per_chunk": 1e6 * gate_cpu_s / (len(gated) * (args.tokens + 1)),
     }
 
 

@@ -243,11 +243,8 @@ class GateApp:
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
         slot, client = self.pools.take()
         try:
-            request = client.build_request(
-                scope["method"], self.upstream + scope["path"], content=body, headers=headers
-            )
             try:
-                response = await client.send(request, stream=True)
+                response = await self._send_upstream(client, scope, body, headers)
             except httpx.HTTPError as error:
                 exchange.outcome = "error"
                 await self._bad_gateway(send, error)
@@ -258,6 +255,21 @@ class GateApp:
                 await response.aclose()
         finally:
             self.pools.give_back(slot)
+
+    async def _send_upstream(
+        self, client: httpx.AsyncClient, scope: Scope, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> httpx.Response:
+        """The upstream's answer (headers; the body streams). A kept-alive connection the engine closed
+        just as the request went out fails before any answer: that one is sent again, once, on a new
+        connection. A refused connection is not retried (the engine is down: 502 at once)."""
+        url = self.upstream + scope["path"]
+        try:
+            return await client.send(
+                client.build_request(scope["method"], url, content=body, headers=headers), stream=True
+            )
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
+            logger.info("upstream closed a kept-alive connection; sending again", extra={"error": repr(error)})
+        return await client.send(client.build_request(scope["method"], url, content=body, headers=headers), stream=True)
 
     async def _relay(self, response: httpx.Response, exchange: _Exchange, send: Send) -> None:
         # Raw bytes go back as they came (aiter_raw: not decoded), so the upstream's length and encoding hold.

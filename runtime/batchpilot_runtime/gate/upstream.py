@@ -17,6 +17,9 @@ from types import TracebackType
 import httpx
 
 SLOTS_PER_POOL = 8
+# Below the 5 s keep-alive of uvicorn (vLLM's and SGLang's server) and of most engines: the gate drops
+# an idle connection before the engine does, rather than sending a request on one the engine is closing.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class UpstreamPools:
@@ -56,7 +59,11 @@ def _client(timeout: httpx.Timeout) -> httpx.AsyncClient:
     # No read timeout: a stream lasts as long as the engine generates; its end or a hang-up closes it.
     # identity: the gate reads SSE events and usage from the bytes it passes on.
     return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=SLOTS_PER_POOL, max_keepalive_connections=SLOTS_PER_POOL),
+        limits=httpx.Limits(
+            max_connections=SLOTS_PER_POOL,
+            max_keepalive_connections=SLOTS_PER_POOL,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        ),
         timeout=timeout,
         headers={"accept-encoding": "identity"},
     )
