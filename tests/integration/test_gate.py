@@ -5,6 +5,7 @@ down upstream is a 502), plus the admin API, the metrics and the command itself.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -22,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot_runtime.contract import metric_names as mn
 from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.server.listen import bind_socket, url_of
 from batchpilot_runtime.server.ready import RuntimeInfo
-from tests.integration.gate_process import GateThread, StandIn, gate_thread, upstream_thread
+from tests.integration.gate_process import GateThread, LoopThread, StandIn, gate_thread, upstream_thread
 from tests.integration.runtime_process import ThreadRuntime, parse_sse, runtime_thread, wait_until, write_token
 
 pytestmark = pytest.mark.timeout(180)
@@ -350,3 +352,44 @@ def test_the_command_names_a_missing_or_bad_flag(tmp_path: Path) -> None:
     )
     assert missing.returncode == 2 and "--upstream is required (or BATCHPILOT_UPSTREAM)" in missing.stderr
     assert bad.returncode == 2 and "--hard-cap" in bad.stderr and "zero" in bad.stderr
+
+
+def test_a_connection_the_upstream_closes_unanswered_is_tried_once_more(tmp_path: Path) -> None:
+    # A raw upstream: it drops the first `drops` connections after reading their request, then answers.
+    answer = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}).encode()
+    seen: list[str] = []
+
+    async def upstream(reader: Any, writer: Any, drops: int) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        seen.append("dropped" if len(seen) < drops else "answered")
+        if seen[-1] == "dropped":
+            writer.close()
+            return
+        head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(answer)}\r\n\r\n"
+        writer.write(head.encode() + answer)
+        await writer.drain()
+        writer.close()
+
+    for drops, status in ((1, 200), (2, 502)):
+        seen.clear()
+        loop_thread = LoopThread("raw-upstream")
+        sock = bind_socket("127.0.0.1", 0)
+        server = loop_thread.run(_start_raw(lambda r, w, d=drops: upstream(r, w, d), sock))
+        try:
+            window = Window(target_batch_size=1, hard_cap=2, max_wait_ms=0)
+            with (
+                gate_thread(tmp_path / str(drops), url_of("127.0.0.1", sock), window) as gated,
+                httpx.Client(timeout=60.0) as http,
+            ):
+                response = http.post(gated.serve_url + "/v1/completions", json={"model": "m", "prompt": "x"})
+        finally:
+            loop_thread.call(server.close)
+            loop_thread.close()
+        assert response.status_code == status
+        assert seen == ["dropped", "answered"] if drops == 1 else seen == ["dropped", "dropped"]
+        if status == 200:
+            assert response.json()["choices"][0]["text"] == "ok"
+
+
+async def _start_raw(handler: Any, sock: socket.socket) -> Any:
+    return await asyncio.start_server(handler, sock=sock)
