@@ -23,6 +23,7 @@ from batchpilot_operator.api.bounds import IntRange as IntRange
 from batchpilot_operator.api.bounds import TokenRange as TokenRange
 from batchpilot_operator.api.bounds import WindowBounds as WindowBounds
 from batchpilot_operator.api.bounds import cel_rules
+from batchpilot_operator.api.canary import CANARY_RULE, Canary, CanaryStatus, canary_problems
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.contract.window import (
     MAX_BATCH_SIZE,
@@ -199,6 +200,10 @@ class Tuning(CamelModel):
         description="Largest relative change of any window field in one decision (0.5 = at most +/-50 %).",
     )
     cooldown_seconds: int = Field(default=30, ge=0, le=3600, description="Least time between two window changes.")
+    canary: Canary = Field(
+        default_factory=Canary,
+        description="Canary retunes: a new window runs on a share of the pods first (docs/canary.md).",
+    )
 
 
 class Lane(CamelModel):
@@ -299,6 +304,7 @@ _BATCH_PROFILE_RULES: list[JsonValue] = [
         "self.tuning.mode == 'recommend'",
         "message": VLLM_MODE_MESSAGE,
     },
+    CANARY_RULE,
 ]
 
 
@@ -348,6 +354,7 @@ class BatchProfileSpec(CamelModel):
     def _cross_field(self) -> BatchProfileSpec:
         problems = cross_field_problems(self.window, self.tuning.bounds, self.lanes)
         problems.extend(engine_mode_problems(self.engine, self.tuning.mode))
+        problems.extend(canary_problems(self.tuning.canary, self.engine.value, self.mode.value))
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -533,6 +540,9 @@ class BatchProfileStatus(CamelModel):
     policy: PolicyMemory | None = Field(
         default=None, description="The tuning policy's memory (cooldown, ceilings, step times), kept across restarts."
     )
+    canary: CanaryStatus | None = Field(
+        default=None, description="The last canary retune (tuning.canary): running, promoted or rolled back, and why."
+    )
     conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Standard conditions.")
 
 
@@ -612,7 +622,19 @@ def parse_spec(spec: Any) -> BatchProfileSpec:
         field_errors = [e for e in error.errors() if e["loc"] or e["type"] != "value_error"]
         lines = _problem_lines(field_errors, "spec")
         lines.extend(f"spec: {problem}" for problem in _parts_cross_field_problems(spec))
+        lines.extend(f"spec: {problem}" for problem in _parts_canary_problems(spec))
         raise ProfileError(lines) from None
+
+
+def _parts_canary_problems(spec: dict[str, Any]) -> list[str]:
+    """The canary's rule on the parts that validate: tuning.canary, spec.engine and the mode in force."""
+    tuning = spec.get("tuning", {})
+    canary = _part(Canary, tuning.get("canary", {})) if isinstance(tuning, dict) else None
+    engine = _enum_part(EngineKind, spec.get("engine", EngineKind.BATCHPILOT.value))
+    if canary is None or engine is None:
+        return []
+    mode = _enum_part(TuningMode, tuning.get("mode")) if "mode" in tuning else default_mode(engine)
+    return canary_problems(canary, engine.value, mode.value) if mode is not None else []
 
 
 def parse_manifest(manifest: Any) -> tuple[str, str, BatchProfileSpec]:

@@ -54,6 +54,7 @@ from batchpilot_operator.api.profile import (
     parse_spec,
 )
 from batchpilot_operator.control import conditions
+from batchpilot_operator.control.canary import Canaries, metrics_url
 from batchpilot_operator.control.events import Events
 from batchpilot_operator.control.export import export_profile
 from batchpilot_operator.control.facts import pods_window, status_facts
@@ -82,11 +83,11 @@ from batchpilot_operator.control.status import apply_merge_patch as apply_patch
 from batchpilot_operator.control.syncer import Syncer, newest_conflict
 from batchpilot_operator.io.observe import MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.io.opmetrics import OperatorMetrics
-from batchpilot_operator.io.outbound import base_url
-from batchpilot_operator.io.push import CONFLICT, ERROR, OK, AdminClient
+from batchpilot_operator.io.push import CONFLICT, ERROR, OK, AdminClient, PushResult
 from batchpilot_operator.io.sglang import SGLangClient
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning import policy_memo
+from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
@@ -121,6 +122,7 @@ class Controller:
         self.events = Events(sink, settings.max_events_per_tick)
         self.syncer = Syncer(settings, admin, sink, self.metrics, monotonic, self._queue_event)
         self.sglang = SGLangSync(sglang or SGLangClient(timeout_s=admin.timeout_s))
+        self.canaries = Canaries(self._queue_event)
         self.last_tick_started_s: float | None = None
         self.last_tick_finished_s: float | None = None
         self.ticks = 0
@@ -319,6 +321,7 @@ class Controller:
 
         # 2. One collection for every due model.
         metrics, report.metrics_error = await self._collect(due, report)
+        await self.canaries.collect(self.source, due, self.pods_of, self.match_by_model)
 
         # 3. Decide.
         windows_before = {r.ref.key: r.loop.window for r in due}
@@ -362,9 +365,9 @@ class Controller:
         targets: dict[ModelKey, list[str]] = {}
         for record in due:
             urls = [
-                p.metrics_url or f"{base_url(p.ip, record.spec.runtime.serve_port)}/metrics"  # type: ignore[arg-type,union-attr]
+                url
                 for p in self.pods_of(record)
-                if p.ready and (p.metrics_url or p.ip)
+                if p.ready and (url := metrics_url(p, record.spec)) is not None  # type: ignore[arg-type]
             ]
             key = (record.ref.namespace if not self.match_by_model else "", record.spec.model)  # type: ignore[union-attr]
             targets.setdefault(key, []).extend(urls)
@@ -426,15 +429,45 @@ class Controller:
             record.memory.policy_state = decision.state
             record.memory.recommended = decision.window if decision.changed else None
         else:
-            decision = policy_mod.decide(spec, window, obs, record.memory.policy_state, now_s)
-            record.memory.policy_state = decision.state
-            if decision.changed:
-                record.loop.window = decision.window  # numbered by the policy: one past the window it was given
-                record.loop.push_pending = True
-                report.changed += 1
+            decision = self._decide_adaptive(record, spec, window, obs, now_s, report)
         if decision.friendliness is not None and spec.batch_friendliness == Friendliness.AUTO:
             record.memory.friendliness = decision.friendliness.to_status()
         self._announce(record, spec, decision, now_s)
+
+    def _decide_adaptive(
+        self,
+        record: ProfileRecord,
+        spec: BatchProfileSpec,
+        window: Window,
+        obs: Observations,
+        now_s: float,
+        report: TickReport,
+    ) -> policy_mod.Decision:
+        """Adaptive mode: the policy's decision, put in force on every pod or (tuning.canary) on the canary
+        pods first; while a canary runs the policy holds, and a canary that ends puts its outcome in force."""
+        pods = self.pods_of(record)
+        canary = self.canaries.evaluate(record, pods, now_s)
+        if canary.ended is not None:
+            if canary.past is None:
+                record.loop.window = canary.ended  # promoted: numbered when its canary started
+            else:
+                self._number(record, canary.ended, past=canary.past)  # rolled back: past the canary's generation
+            record.loop.push_pending = True
+            report.changed += 1
+        if canary.hold_reason is not None:
+            return policy_mod.Decision(
+                record.loop.window or window, "hold", canary.hold_reason, record.memory.policy_state
+            )
+        decision = self.canaries.screen(
+            record, policy_mod.decide(spec, window, obs, record.memory.policy_state, now_s), now_s
+        )
+        record.memory.policy_state = decision.state
+        if decision.changed:
+            if not self.canaries.start(record, decision.window, pods, now_s):
+                record.loop.window = decision.window  # numbered by the policy: one past the window it was given
+            record.loop.push_pending = True
+            report.changed += 1
+        return decision
 
     def _announce(
         self, record: ProfileRecord, spec: BatchProfileSpec, decision: policy_mod.Decision, now_s: float
@@ -509,7 +542,12 @@ class Controller:
             await self.sglang.sync(record, pods, window)
             record.loop.push_pending = False
             return
-        results, not_sent = await self.syncer.push(record, pods, window)
+        results: list[PushResult] = []
+        not_sent: list[PushResult] = []
+        for group, group_window in self.canaries.assignments(record, pods, window):  # canary pods: its window
+            sent, withheld = await self.syncer.push(record, group, group_window)
+            results.extend(sent)
+            not_sent.extend(withheld)
         newest = newest_conflict(results)
         if newest is not None and newest >= window.generation:
             # Some pod holds a newer generation (an earlier operator, a lost status): move past it, push again.

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from batchpilot_operator.api.profile import PodsStatus, TuningMode, WindowInForce
 from batchpilot_operator.control import conditions
+from batchpilot_operator.control.canary import canary_status
 from batchpilot_operator.control.conditions import SyncView
 from batchpilot_operator.control.records import PodRecord, ProfileRecord
 from batchpilot_operator.control.status import StatusFacts
@@ -85,6 +86,7 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
         recommended_window=record.memory.recommended,
         friendliness=record.memory.friendliness,
         policy=policy,
+        canary=canary_status(record),
         ready=conditions.ready_fact(synced),
         synced=synced,
         metrics_available=record.memory.metrics_fact,

@@ -7,11 +7,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batchpilot_operator.api.canary import CanaryStatus
 from batchpilot_operator.api.profile import BatchProfileSpec, Decision
 from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
 from batchpilot_operator.control.status import ConditionFact
 from batchpilot_operator.io.observe import ModelKey, ModelMetrics
 from batchpilot_operator.tuning import policy as policy_mod
+from batchpilot_operator.tuning.canary import CanaryRun
 from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState
 from batchpilot_runtime.contract.window import Window
@@ -125,6 +127,17 @@ class DecisionMemory:
 
 
 @dataclass
+class CanaryBook:
+    """The canary loop's (control/canary.py) memory of a profile: the run in progress, the last outcome as
+    status.canary shows it, and a window rolled back, which is not tried again before ``rejected_until_s``."""
+
+    run: CanaryRun | None = None
+    last: CanaryStatus | None = None
+    rejected: Window | None = None
+    rejected_until_s: float = 0.0
+
+
+@dataclass
 class StatusBook:
     """The profile's status as last written (a patch is the difference from it), and the spec generation
     whose InvalidSpec Event was posted."""
@@ -156,6 +169,7 @@ class ProfileRecord:
     memory: DecisionMemory = field(default_factory=DecisionMemory)
     status: StatusBook = field(default_factory=StatusBook)
     pods_cache: PodsCache = field(default_factory=PodsCache)
+    canary: CanaryBook = field(default_factory=CanaryBook)
 
     @property
     def model(self) -> str | None:

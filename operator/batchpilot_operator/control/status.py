@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot_operator.api.canary import CanaryStatus
 from batchpilot_operator.api.profile import (
     BatchProfileStatus,
     Condition,
@@ -55,6 +56,7 @@ class StatusFacts:
     recommended_window: Window | None = None
     friendliness: FriendlinessStatus | None = None
     policy: PolicyMemory | None = None
+    canary: CanaryStatus | None = None
     ready: ConditionFact = ConditionFact(UNKNOWN, "Pending")
     synced: ConditionFact = ConditionFact(UNKNOWN, "Pending")
     metrics_available: ConditionFact = ConditionFact(UNKNOWN, "Pending")
@@ -106,6 +108,7 @@ def build_status(facts: StatusFacts, previous_status: Mapping[str, Any] | None, 
         last_decision=facts.last_decision,
         recommended_window=facts.recommended_window,
         policy=facts.policy,
+        canary=facts.canary,
         conditions=conditions,
     )
     return status.model_dump(by_alias=True, exclude_none=True, mode="json")

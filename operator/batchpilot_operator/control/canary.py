@@ -1,0 +1,264 @@
+"""The canary loop: a new window goes to the canary pods first, is judged against the others every
+interval, then goes to every pod or is rolled back on the canaries.
+
+The controller calls, per tick: :meth:`Canaries.collect` (per-pod latency of the profiles with a canary in
+progress, one extra query for all of them, none when no canary runs), then per due profile
+:meth:`Canaries.evaluate` before its policy (while a canary runs the policy holds: its observations mix
+both windows), :meth:`Canaries.screen` and :meth:`Canaries.start` on a changed window, and
+:meth:`Canaries.assignments` when it pushes. The rule itself is pure, in
+:mod:`batchpilot_operator.tuning.canary`.
+
+Invariants: ``record.loop.window`` stays the window of the baseline pods while a canary runs (so Synced
+counts both groups and a new pod gets the baseline's window); the canary pods are chosen once, at the
+start, and only leave the canary by going away; this module never numbers a window: an ended canary
+hands the controller the window to put in force and the generation to number it past.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from batchpilot_operator.api.canary import CanaryStatus
+from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, TuningMode
+from batchpilot_operator.control.records import PodRecord, ProfileRecord
+from batchpilot_operator.control.status import rfc3339
+from batchpilot_operator.io.observe import ModelKey, ModelMetrics, to_observations
+from batchpilot_operator.io.outbound import base_url
+from batchpilot_operator.tuning import policy as policy_mod
+from batchpilot_operator.tuning.canary import CanaryRun, State, Step, Verdict, advance, choose_pods, judge
+from batchpilot_runtime.contract.window import Window
+
+log = logging.getLogger("batchpilot.operator")
+
+# A window rolled back is not tried again for this many of the profile's intervals (the policy, which
+# sees the same load, would propose it again at once).
+REJECT_HOLD_INTERVALS = 10
+
+EventQueue = Callable[[ProfileRecord, str, str, str], None]
+
+
+class PodMetricsSource(Protocol):
+    """A metric source that also reads the latency histograms per pod (Prometheus, scraping)."""
+
+    async def collect_pods(
+        self, targets: Mapping[ModelKey, Mapping[str, str]]
+    ) -> dict[ModelKey, dict[str, ModelMetrics]]:
+        """Per model key, per pod name (``targets``: pod name -> its /metrics URL), the pod's metrics."""
+        ...
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What a tick's evaluation asks of the controller: hold the policy (``hold_reason``), and, when the
+    canary ended, put ``ended`` in force on every pod, numbered past ``past`` (None: as it is numbered)."""
+
+    hold_reason: str | None = None
+    ended: Window | None = None
+    past: int | None = None
+
+
+def metrics_url(pod: PodRecord, spec: BatchProfileSpec) -> str | None:
+    """Where a pod's /metrics is: the URL local mode gave, or its IP and the serving port."""
+    if pod.metrics_url:
+        return pod.metrics_url
+    return f"{base_url(pod.ip, spec.runtime.serve_port)}/metrics" if pod.ip else None
+
+
+def wanted(spec: BatchProfileSpec | None) -> bool:
+    """Whether the profile's new windows go through a canary (its spec allows one: see api/canary.py)."""
+    return (
+        spec is not None
+        and spec.tuning.canary.enabled
+        and spec.mode == TuningMode.ADAPTIVE
+        and spec.engine == EngineKind.BATCHPILOT
+    )
+
+
+def canary_status(record: ProfileRecord) -> CanaryStatus | None:
+    """status.canary: the last canary in memory, else the one an earlier operator wrote. A canary that was
+    running then is reported rolled back: the loop put the window in force (the baseline's) on every pod,
+    past the canary's generation, when the canary pods answered it with a conflict."""
+    if record.canary.last is not None:
+        return record.canary.last
+    written = record.status.written.get("canary")
+    if not isinstance(written, Mapping):
+        return None
+    try:
+        old = CanaryStatus.model_validate(written)
+    except ValueError:
+        return None
+    if old.verdict != "running":
+        return old
+    return old.model_copy(
+        update={"verdict": "rolledBack", "reason": "the operator restarted during this canary; its pods went back"}
+    )
+
+
+def _pods_text(pods: Sequence[str]) -> str:
+    return ", ".join(pods) if pods else "none"
+
+
+class Canaries:
+    def __init__(self, queue_event: EventQueue) -> None:
+        self._queue_event = queue_event
+        self._pod_metrics: dict[str, dict[str, ModelMetrics]] = {}  # profile key -> pod key -> metrics
+        self._error: str | None = None  # why this tick has no per-pod metrics
+
+    # ---- per-pod metrics ------------------------------------------------------------------------------
+
+    async def collect(
+        self,
+        source: object,
+        records: Sequence[ProfileRecord],
+        pods_of: Callable[[ProfileRecord], list[PodRecord]],
+        match_by_model: bool,
+    ) -> None:
+        """The per-pod metrics of every profile of ``records`` with a canary in progress, in one call."""
+        self._pod_metrics, self._error = {}, None
+        running = [r for r in records if r.canary.run is not None and r.spec is not None]
+        if not running:
+            return
+        collect_pods = getattr(source, "collect_pods", None)
+        if collect_pods is None:
+            self._error = "the metric source gives no per-pod figures"
+            return
+        targets: dict[ModelKey, dict[str, str]] = {}
+        keys: dict[str, ModelKey] = {}
+        for record in running:
+            spec = record.spec
+            assert spec is not None  # filtered above; narrows the type only
+            key = keys[record.ref.key] = ("" if match_by_model else record.ref.namespace, spec.model)
+            for pod in pods_of(record):
+                url = metrics_url(pod, spec)
+                if pod.ready and url:
+                    targets.setdefault(key, {})[pod.name] = url
+        try:
+            answers: dict[ModelKey, dict[str, ModelMetrics]] = await collect_pods(targets)
+        except Exception as error:  # any source failure is this tick's missing data, never a pass
+            self._error = f"per-pod metrics unavailable: {type(error).__name__}: {error}"
+            return
+        for record in running:
+            namespace, model = keys[record.ref.key]
+            by_name = answers.get((namespace, model)) or answers.get(("", model)) or {}
+            self._pod_metrics[record.ref.key] = {p.key: by_name[p.name] for p in pods_of(record) if p.name in by_name}
+
+    # ---- the run --------------------------------------------------------------------------------------
+
+    def screen(self, record: ProfileRecord, decision: policy_mod.Decision, now_s: float) -> policy_mod.Decision:
+        """``decision``, or a hold (with the policy's memory as it was) when it proposes the window a canary
+        rolled back less than :data:`REJECT_HOLD_INTERVALS` intervals ago."""
+        rejected = record.canary.rejected
+        if not decision.changed or rejected is None or now_s >= record.canary.rejected_until_s:
+            return decision
+        if not decision.window.fields_equal(rejected):
+            return decision
+        reason = (
+            f"Holding: {decision.window.describe()} was rolled back by its canary; not tried again before "
+            f"{rfc3339(record.canary.rejected_until_s)}."
+        )
+        return policy_mod.Decision(record.loop.window or decision.window, "hold", reason, record.memory.policy_state)
+
+    def start(self, record: ProfileRecord, window: Window, pods: Sequence[PodRecord], now_s: float) -> bool:
+        """Start a canary of ``window`` on a share of the Ready ``pods``; False when there is no pod to try it
+        on (the window then goes in force at once, as without a canary)."""
+        spec, previous = record.spec, record.loop.window
+        if not wanted(spec) or previous is None or spec is None:
+            return False
+        chosen = choose_pods(record.ref.key, [p.key for p in pods if p.ready], spec.tuning.canary.share)
+        if not chosen:
+            return False
+        record.canary.run = CanaryRun(window=window, previous=previous, pods=chosen, started_s=now_s)
+        reason = f"{window.describe()} on {len(chosen)} of {sum(p.ready for p in pods)} pods first"
+        record.canary.last = CanaryStatus(
+            window=window, pods=[k.split("/", 1)[-1] for k in chosen], started_at=rfc3339(now_s),
+            verdict="running", reason=reason,
+        )  # fmt: skip
+        self._queue_event(record, "Normal", "CanaryStarted", f"{reason}: {_pods_text(chosen)}")
+        return True
+
+    def evaluate(self, record: ProfileRecord, pods: Sequence[PodRecord], now_s: float) -> Evaluation:
+        """Judge the canary in progress on this tick's per-pod metrics; nothing when none runs."""
+        run, spec = record.canary.run, record.spec
+        if run is None or spec is None:
+            return Evaluation()
+        step = self._step(record, run, spec, pods, now_s)
+        if step.state == "running":
+            record.canary.run = step.run
+            self._report(record, step, now_s)
+            return Evaluation(
+                hold_reason=f"Holding while the canary of generation {run.window.generation} runs on "
+                f"{_pods_text(step.run.pods)}."
+            )
+        record.canary.run = None
+        self._report(record, step, now_s)
+        if step.state == "promoted":
+            return Evaluation(f"Canary promoted: {step.reason}.", ended=run.window)
+        record.canary.rejected = run.window
+        record.canary.rejected_until_s = now_s + REJECT_HOLD_INTERVALS * spec.tuning.interval_seconds
+        back = record.loop.window if record.loop.window is not None else run.previous
+        return Evaluation(f"Canary rolled back: {step.reason}.", ended=back, past=run.window.generation)
+
+    def _step(
+        self, record: ProfileRecord, run: CanaryRun, spec: BatchProfileSpec, pods: Sequence[PodRecord], now_s: float
+    ) -> Step:
+        """The run after this tick: ended by what changed around it, or judged on the pods' figures."""
+        if not wanted(spec):
+            return Step(run, "rolledBack", "tuning.canary was switched off (or the mode changed) during the canary")
+        if record.loop.window is None or record.loop.window.generation != run.previous.generation:
+            return Step(run, "rolledBack", "the window in force changed during the canary (a new spec.window)")
+        ready = {p.key for p in pods if p.ready}
+        alive = tuple(k for k in run.pods if k in ready)
+        failing = [k for k in alive if k in record.sync.pod_errors]
+        if failing:
+            failure = record.sync.pod_errors[failing[0]]
+            return Step(run, "rolledBack", f"canary pod {failing[0]} failed: {failure.outcome}: {failure.detail}")
+        if not alive:
+            return Step(run, "rolledBack", "every canary pod went away before the canary passed")
+        per_pod = self._pod_metrics.get(record.ref.key, {})
+        latency_metric = spec.slo.latency_metric.value
+        canary = {k: to_observations(m, latency_metric, now_s) for k, m in per_pod.items() if k in alive}
+        baseline = {
+            k: to_observations(m, latency_metric, now_s) for k, m in per_pod.items() if k in ready and k not in alive
+        }
+        verdict = Verdict("noData", self._error) if self._error else judge(spec.slo, canary, baseline)
+        rate_window_s = max((m.window_s for k, m in per_pod.items() if k in alive), default=math.inf)
+        return advance(
+            replace(run, pods=alive),
+            verdict,
+            intervals=spec.tuning.canary.intervals,
+            now_s=now_s,
+            rate_window_s=rate_window_s,
+        )
+
+    def _report(self, record: ProfileRecord, step: Step, now_s: float) -> None:
+        """status.canary, and an Event when the canary ends."""
+        last = record.canary.last
+        state: State = step.state
+        names = [k.split("/", 1)[-1] for k in step.run.pods]
+        if last is None:
+            last = CanaryStatus(
+                window=step.run.window, pods=names, started_at=rfc3339(step.run.started_s), verdict=state
+            )
+        record.canary.last = last.model_copy(
+            update={"verdict": state, "reason": step.reason, "passed_intervals": step.run.passes, "pods": names}
+        )
+        window = step.run.window.describe()
+        if state == "promoted":
+            self._queue_event(record, "Normal", "CanaryPromoted", f"{window} to every pod: {step.reason}")
+        elif state == "rolledBack":
+            self._queue_event(record, "Warning", "CanaryRolledBack", f"{window} rolled back: {step.reason}")
+            log.info("canary of %s rolled back: %s", record.ref.key, step.reason)
+
+    def assignments(
+        self, record: ProfileRecord, pods: Sequence[PodRecord], window: Window
+    ) -> list[tuple[list[PodRecord], Window]]:
+        """Which pods get which window: the canary pods the canary's while it runs, the rest ``window``."""
+        run = record.canary.run
+        if run is None:
+            return [(list(pods), window)]
+        canary = [p for p in pods if p.key in run.pods]
+        return [([p for p in pods if p.key not in run.pods], window), (canary, run.window)]
