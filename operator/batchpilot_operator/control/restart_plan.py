@@ -1,0 +1,203 @@
+"""The restart path's decisions, pure: whether a recommendation is worth a restart and the budget allows one,
+and the container args that carry it. No I/O, no clock: ``now_s`` is given.
+
+Why these thresholds (spec.restart's defaults): a restart of a large vLLM pod costs minutes of capacity and
+its prefix cache, so a change must be large (``minChange``, 25 % of ``--max-num-seqs`` or
+``--max-num-batched-tokens``: the policy moves by at most 50 % a step, so 25 % is at least half a step,
+well past its hysteresis) and must persist (``stableIntervals``, 3: a recommendation that flips direction
+starts over, so a flapping policy never restarts on its own). While the SLO is broken the tail is already
+being paid for, so one interval is enough. The budget bounds all of it, whatever the policy does: at most
+``maxPerDay`` restarts in any 24 hours, ``minIntervalSeconds`` apart, starting only inside ``allowedHours``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchpilot_operator.control.status import ConditionFact
+
+DAY_S = 86_400.0
+
+# The flags that carry a window, per engine (vLLM: vllm/engine/arg_utils.py; SGLang: sglang/srt/server_args.py).
+VLLM_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens")
+SGLANG_FLAGS = ("--max-running-requests", "--chunked-prefill-size")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """spec.restart's budget in seconds; ``hours`` as (start, end) minutes past midnight UTC, end excluded."""
+
+    max_per_day: int
+    min_interval_s: float
+    hours: tuple[int, int] | None = None
+    min_change: float = 0.25
+    stable_intervals: int = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``restart``: patch the workload now. ``streak``/``trend``: carried to the next evaluation."""
+
+    restart: bool
+    reason: str
+    next_allowed_s: float
+    streak: int = 0
+    trend: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass
+class RestartBook:
+    """What the restart path keeps of a profile between ticks (control/restart.py writes it)."""
+
+    history: list[float] | None = None  # restart times (epoch s) of the last day; None until read from status
+    applied: dict[str, int] | None = None  # the flags last written to the workload's args
+    running: dict[str, int] = field(default_factory=dict)  # what the workload's args carry now
+    streak: int = 0
+    trend: tuple[tuple[str, int], ...] = ()
+    reverted_at: float | None = None  # when the args were found without the applied flags
+    synced: ConditionFact | None = None  # the Synced condition's fact in restart mode
+    status: dict[str, Any] | None = None  # status.restart as written next
+    evaluation: int = -1  # the profile's evaluation count the last verdict was for
+    verdict: Verdict | None = None
+
+
+def in_hours(hours: tuple[int, int] | None, now_s: float) -> bool:
+    if hours is None:
+        return True
+    start, end = hours
+    minute = int((now_s % DAY_S) // 60)
+    return start <= minute < end if start < end else (minute >= start or minute < end)
+
+
+def next_in_hours(hours: tuple[int, int] | None, from_s: float) -> float:
+    """The earliest time at or after ``from_s`` inside ``hours``."""
+    if in_hours(hours, from_s):
+        return from_s
+    assert hours is not None
+    day_start = from_s - from_s % DAY_S
+    start = day_start + hours[0] * 60
+    return start if start >= from_s else start + DAY_S
+
+
+def next_allowed(budget: Budget, history: Sequence[float], now_s: float) -> float:
+    """The earliest time at or after ``now_s`` the budget allows a restart, given past restart times.
+
+    Each rule only loosens as time passes (until the next restart), so the latest of their earliest times is
+    the answer, moved into the allowed hours."""
+    recent = sorted(t for t in history if now_s - DAY_S < t <= now_s)
+    earliest = now_s
+    if recent:
+        earliest = max(earliest, recent[-1] + budget.min_interval_s)
+    if len(recent) >= budget.max_per_day:
+        # The window is (t - 1 day, t]: the restart that must drop out leaves it one day after it happened.
+        earliest = max(earliest, recent[len(recent) - budget.max_per_day] + DAY_S)
+    return next_in_hours(budget.hours, earliest)
+
+
+def relative_change(running: int | None, wanted: int) -> float:
+    """|wanted - running| / running; infinite when the args do not set the flag (the engine's default)."""
+    if running is None or running <= 0:
+        return math.inf
+    return abs(wanted - running) / running
+
+
+def worth(running: Mapping[str, int], wanted: Mapping[str, int], min_change: float) -> dict[str, int]:
+    """Each flag's direction (+1, -1) where ``wanted`` moves it by ``min_change`` or more; empty: not worth it."""
+    return {
+        flag: 1 if running.get(flag) is None or value > running[flag] else -1
+        for flag, value in wanted.items()
+        if relative_change(running.get(flag), value) >= min_change
+    }
+
+
+def _describe(running: Mapping[str, int], wanted: Mapping[str, int]) -> str:
+    return ", ".join(f"{flag} {running.get(flag, 'unset')} -> {value}" for flag, value in wanted.items())
+
+
+def decide(
+    budget: Budget,
+    history: Sequence[float],
+    now_s: float,
+    running: Mapping[str, int],
+    wanted: Mapping[str, int],
+    *,
+    streak: int,
+    trend: tuple[tuple[str, int], ...],
+    slo_over: bool,
+) -> Verdict:
+    """Restart now or not: the change must be worth it, held long enough (or the SLO broken), and allowed."""
+    allowed_at = next_allowed(budget, history, now_s)
+    moves = worth(running, wanted, budget.min_change)
+    if not moves:
+        return Verdict(False, "the recommendation is within minChange of what the workload runs", allowed_at)
+    new_trend = tuple(sorted(moves.items()))
+    held = streak + 1 if new_trend == trend else 1
+    change = _describe(running, {flag: wanted[flag] for flag in moves})
+    if held < budget.stable_intervals and not slo_over:
+        reason = f"{change}: held {held} of {budget.stable_intervals} intervals before a restart"
+        return Verdict(False, reason, allowed_at, held, new_trend)
+    if allowed_at > now_s:
+        return Verdict(
+            False, f"{change}: the restart budget allows the next restart later", allowed_at, held, new_trend
+        )
+    why = "the SLO is broken" if slo_over and held < budget.stable_intervals else f"held {held} intervals"
+    return Verdict(True, f"{change} ({why})", allowed_at, 0, ())
+
+
+# ---- container args -----------------------------------------------------------------------------------
+
+
+def _flag_name(arg: str) -> str:
+    """``--max_num_seqs=8`` -> ``--max-num-seqs``: vLLM's and SGLang's parsers take underscores for dashes."""
+    name = arg.partition("=")[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def read_flags(args: Sequence[str], flags: Sequence[str]) -> dict[str, int]:
+    """The integer value of each of ``flags`` in ``args`` (``--flag N`` or ``--flag=N``; the last one wins,
+    as with argparse). A flag whose value is not an integer raises ValueError naming it."""
+    found: dict[str, int] = {}
+    for index, arg in enumerate(args):
+        name = _flag_name(arg)
+        if name not in flags:
+            continue
+        if "=" in arg:
+            text = arg.partition("=")[2]
+        elif index + 1 < len(args):
+            text = args[index + 1]
+        else:
+            raise ValueError(f"{name} has no value in the container's args")
+        try:
+            found[name] = int(text)
+        except ValueError:
+            raise ValueError(f"{name} {text!r} in the container's args is not an integer") from None
+    return found
+
+
+def rewrite_args(args: Sequence[str], settings: Mapping[str, int]) -> list[str]:
+    """``args`` with each flag of ``settings`` set to its value: in place and in its own form (``--flag N`` or
+    ``--flag=N``) where present, any repeat of it dropped, appended as ``--flag N`` where absent. Every other
+    arg stays as it was, in order."""
+    out: list[str] = []
+    done: set[str] = set()
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        name = _flag_name(arg)
+        if name not in settings:
+            out.append(arg)
+            index += 1
+            continue
+        spelled = arg.partition("=")[0]
+        step = 1 if "=" in arg else 2
+        if name not in done:
+            out.extend([f"{spelled}={settings[name]}"] if step == 1 else [spelled, str(settings[name])])
+            done.add(name)
+        index += step
+    for name, value in settings.items():
+        if name not in done:
+            out.extend([name, str(value)])
+    return out
