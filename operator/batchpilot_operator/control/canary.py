@@ -130,7 +130,8 @@ class Canaries:
         keys: dict[str, ModelKey] = {}
         for record in running:
             spec = record.spec
-            assert spec is not None  # filtered above; narrows the type only
+            if spec is None:  # filtered above; this narrows the type
+                continue
             key = keys[record.ref.key] = ("" if match_by_model else record.ref.namespace, spec.model)
             for pod in pods_of(record):
                 url = metrics_url(pod, spec)

@@ -1,0 +1,266 @@
+"""Canary retunes through the controller's tick: emulated pods, a fake metric source with per-pod
+latency, an in-memory API."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from batchpilot_operator.control.controller import Controller, PodRecord, Settings
+from batchpilot_operator.io.observe import MetricsBuilder, ModelKey, ModelMetrics
+from batchpilot_operator.io.push import AdminClient
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
+from batchpilot_runtime.contract.window import Window
+from tests.integration.fake_admin import FakeAdminServer
+from tests.support.factories import make_spec_dict
+from tests.unit.test_operator_controller import MemorySink
+
+PODS = ("0", "1", "2", "3")
+
+
+def _latency(builder: MetricsBuilder, key: ModelKey, latency_s: float, requests_per_s: float) -> None:
+    """Every request of the window took ``latency_s`` to its first token."""
+    for bound in (*LATENCY_BUCKETS_S, math.inf):
+        builder.add_bucket(key, "ttft", bound, requests_per_s if bound >= latency_s else 0.0)
+    builder.add_rate(key, "requests", requests_per_s)
+
+
+class PodLatencySource:
+    """The model's latency for the policy, and each pod's for the canary (by pod name; absent: no data)."""
+
+    def __init__(self) -> None:
+        self.model_latency_s = 2.0  # 4x the SLO: the policy lowers the window on the first tick
+        self.pod_latency_s: dict[str, float] = {}
+        self.rate_window_s = 1.5  # a tick and a half: the first interval after a start is not counted
+        self.pod_calls = 0
+
+    async def collect(
+        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = ("batchpilot",)
+    ) -> dict[ModelKey, ModelMetrics]:
+        builder = MetricsBuilder(60.0)
+        for key in targets:
+            _latency(builder, key, self.model_latency_s, 10.0)
+            builder.add_gauge(key, "queue_depth", 2.0)
+        return builder.build()
+
+    async def collect_pods(
+        self, targets: Mapping[ModelKey, Mapping[str, str]]
+    ) -> dict[ModelKey, dict[str, ModelMetrics]]:
+        self.pod_calls += 1
+        answer: dict[ModelKey, dict[str, ModelMetrics]] = {}
+        for key, pods in targets.items():
+            for name in pods:
+                latency = self.pod_latency_s.get(name)
+                if latency is None:
+                    continue
+                builder = MetricsBuilder(self.rate_window_s)
+                _latency(builder, key, latency, 100.0)
+                answer.setdefault(key, {})[name] = builder.build()[key]
+        return answer
+
+
+class Harness:
+    def __init__(self, fake: FakeAdminServer, controller: Controller, sink: MemorySink, source: PodLatencySource):
+        self.fake, self.controller, self.sink, self.source = fake, controller, sink, source
+        self.now = 1000.0
+
+    async def tick(self) -> None:
+        self.now += 1.0
+        await self.controller.tick()
+        await self.controller.drain_events()
+
+    def add_pod(self, pod_id: str) -> PodRecord:
+        if pod_id not in self.fake.pods:
+            self.fake.add_pod(pod_id, model="chat", max_hard_cap=64)
+        pod = PodRecord(
+            "ml", f"chat-{pod_id}", {"app": "chat"}, ip="127.0.0.1", ready=True,
+            admin_url=self.fake.admin_url(pod_id), uid=f"uid-{pod_id}",
+        )  # fmt: skip
+        self.controller.upsert_pod(pod)
+        return pod
+
+    def status(self) -> dict[str, Any]:
+        return self.sink.status["ml/chat"]
+
+    def window(self, pod_id: str) -> Window:
+        return self.fake.pods[pod_id].state.window
+
+    def seen(self, pod_id: str) -> list[Window]:
+        return self.fake.pods[pod_id].history
+
+    def canary_ids(self) -> list[str]:
+        return [name.removeprefix("chat-") for name in self.status()["canary"]["pods"]]
+
+    def events(self, reason: str) -> list[str]:
+        return [message for _, _, r, message in self.sink.events if r == reason]
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    async def no_sleep(_: float) -> None:
+        await asyncio.sleep(0)
+
+    async with FakeAdminServer(0) as fake:
+        sink, source = MemorySink(), PodLatencySource()
+        admin = AdminClient(timeout_s=0.5, retries=2, backoff_s=0.01, sleep=no_sleep)
+        harness: Harness
+        controller = Controller(
+            Settings(interval_override_s=1.0, default_token="secret", default_token_namespaces=frozenset({"ml"})),
+            source,
+            admin,
+            sink,
+            wall_clock=lambda: harness.now,
+            monotonic=lambda: harness.now,
+        )
+        harness = Harness(fake, controller, sink, source)
+        yield harness
+        await admin.aclose()
+
+
+def canary_spec(**canary: Any) -> dict[str, Any]:
+    return make_spec_dict(tuning={"cooldownSeconds": 0, "canary": {"enabled": True, "share": 0.5, **canary}})
+
+
+async def start_canary(h: Harness, **canary: Any) -> tuple[list[str], list[str], Window]:
+    """Four pods, a profile whose first decision lowers the window: (canary pods, the others, the new window)."""
+    for pod_id in PODS:
+        h.add_pod(pod_id)
+    h.controller.upsert_profile("ml", "chat", canary_spec(**canary), generation=1)
+    await h.tick()
+    canaries = h.canary_ids()
+    others = [p for p in PODS if p not in canaries]
+    assert h.status()["canary"]["verdict"] == "running"
+    return canaries, others, Window.model_validate(h.status()["canary"]["window"])
+
+
+async def test_a_canary_that_breaks_the_slo_is_rolled_back_and_the_others_never_get_its_window(h: Harness) -> None:
+    canaries, others, tried = await start_canary(h)
+    assert len(canaries) == 2  # half of four
+    assert tried.target_batch_size < 8  # the policy lowered the window: 2 s against a 500 ms P99
+    for pod_id in canaries:
+        assert h.window(pod_id) == tried
+    for pod_id in others:
+        assert h.window(pod_id).fields_equal(Window.from_fields(make_window_fields(), 0))
+    assert h.status()["window"]["generation"] == 1  # the window in force stays the baseline's
+    h.source.pod_latency_s = {f"chat-{p}": 0.3 for p in others} | {f"chat-{p}": 1.5 for p in canaries}
+    intervals = 0
+    while h.status()["canary"]["verdict"] == "running" and intervals < 3:
+        await h.tick()
+        intervals += 1
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "rolledBack" and intervals == 1  # a break is not waited out
+    assert "breaks the SLO's 500 ms, which the other pods meet" in canary["reason"]
+    for pod_id in canaries:  # back to the previous fields, numbered past the canary
+        assert h.window(pod_id).fields_equal(Window.from_fields(make_window_fields(), 0))
+        assert h.window(pod_id).generation > tried.generation
+    for pod_id in others:
+        assert not any(w.fields_equal(tried) for w in h.seen(pod_id))
+    assert len(h.events("CanaryRolledBack")) == 1
+    assert h.status()["lastDecision"]["reason"].startswith("Canary rolled back:")
+
+
+def make_window_fields() -> Any:
+    from batchpilot_runtime.contract.window import WindowFields
+
+    return WindowFields.model_validate(make_spec_dict()["window"])
+
+
+async def test_a_good_canary_is_promoted_after_its_intervals(h: Harness) -> None:
+    _canaries, _others, tried = await start_canary(h, intervals=2)
+    h.source.pod_latency_s = {f"chat-{p}": 0.3 for p in PODS}
+    verdicts = []
+    for _ in range(4):
+        await h.tick()
+        verdicts.append(h.status()["canary"]["verdict"])
+        if verdicts[-1] != "running":
+            break
+    # The first interval's rate window reaches before the start: two counted passes after it.
+    assert verdicts == ["running", "running", "promoted"]
+    assert h.status()["canary"]["passedIntervals"] == 2
+    assert h.status()["window"]["generation"] == tried.generation
+    for pod_id in PODS:
+        assert h.window(pod_id) == tried
+    assert h.status()["pods"]["synced"] == 4
+    assert len(h.events("CanaryPromoted")) == 1 and len(h.events("CanaryStarted")) == 1
+
+
+async def test_no_per_pod_data_is_not_a_pass(h: Harness) -> None:
+    _canaries, others, tried = await start_canary(h, intervals=2)
+    h.source.pod_latency_s = {f"chat-{p}": 0.3 for p in others}  # the canary pods serve nothing
+    for _ in range(2):
+        await h.tick()
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "rolledBack" and "no data is not a pass" in canary["reason"]
+    for pod_id in others:
+        assert not any(w.fields_equal(tried) for w in h.seen(pod_id))
+
+
+async def test_a_canary_pod_going_away_leaves_the_canary_to_the_rest_and_all_gone_rolls_back(h: Harness) -> None:
+    canaries, others, tried = await start_canary(h, intervals=2)
+    h.source.pod_latency_s = {f"chat-{p}": 0.3 for p in PODS}
+    h.controller.remove_pod("ml", f"chat-{canaries[0]}")
+    await h.tick()
+    assert h.status()["canary"]["verdict"] == "running"
+    assert h.status()["canary"]["pods"] == [f"chat-{canaries[1]}"]
+    h.controller.remove_pod("ml", f"chat-{canaries[1]}")
+    await h.tick()
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "rolledBack" and "every canary pod went away" in canary["reason"]
+    for pod_id in others:
+        assert not any(w.fields_equal(tried) for w in h.seen(pod_id))
+        assert h.window(pod_id).generation > tried.generation  # the rollback is numbered past the canary
+
+
+async def test_a_baseline_pod_going_away_mid_canary_changes_nothing_and_the_canary_is_promoted(h: Harness) -> None:
+    _canaries, others, tried = await start_canary(h, intervals=1)
+    h.source.pod_latency_s = {f"chat-{p}": 0.3 for p in PODS}
+    h.controller.remove_pod("ml", f"chat-{others[0]}")
+    for _ in range(2):
+        await h.tick()
+    assert h.status()["canary"]["verdict"] == "promoted"
+    assert h.window(others[1]) == tried
+
+
+async def test_the_policy_holds_while_a_canary_runs_and_a_rolled_back_window_is_not_retried_at_once(
+    h: Harness,
+) -> None:
+    canaries, _others, tried = await start_canary(h)
+    h.source.pod_latency_s = {f"chat-{p}": 0.3 for p in PODS}
+    await h.tick()  # not counted yet: the policy, still seeing 2 s, holds
+    assert h.status()["lastDecision"]["direction"] == "hold"
+    assert h.status()["lastDecision"]["reason"].startswith("Holding while the canary of generation")
+    h.source.pod_latency_s |= {f"chat-{p}": 1.5 for p in canaries}
+    await h.tick()
+    assert h.status()["canary"]["verdict"] == "rolledBack"
+    await h.tick()  # the policy proposes the same window again: held
+    reason = h.status()["lastDecision"]["reason"]
+    assert (
+        reason.startswith(f"Holding: target={tried.target_batch_size} ") and "was rolled back by its canary" in reason
+    )
+    assert len(h.events("CanaryStarted")) == 1
+
+
+async def test_a_single_pod_is_its_own_canary_judged_against_the_slo_alone(h: Harness) -> None:
+    h.add_pod("0")
+    h.controller.upsert_profile("ml", "chat", canary_spec(intervals=1), generation=1)
+    await h.tick()
+    assert h.canary_ids() == ["0"]
+    h.source.pod_latency_s = {"chat-0": 0.9}
+    await h.tick()
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "rolledBack" and "no other pod's figure" in canary["reason"]
+
+
+async def test_without_a_canary_in_progress_no_per_pod_query_runs(h: Harness) -> None:
+    h.add_pod("0")
+    h.add_pod("1")
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(), generation=1)
+    for _ in range(3):
+        await h.tick()
+    assert h.source.pod_calls == 0
+    assert "canary" not in h.status()
+    assert h.window("0") == h.window("1")
