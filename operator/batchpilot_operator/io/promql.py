@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import re
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ QUANTILE_LABEL = "bp_quantile"
 COUNT_SUFFIX = "_count"
 QUANTILES = (0.5, 0.99, 0.999)
 DEFAULT_NAMESPACE_LABEL = "namespace"
+# The pod's name on every series Prometheus scraped from a pod (prometheus-operator's PodMonitor and
+# ServiceMonitor, and Prometheus's own kubernetes_sd examples, set it): the per-pod query groups by it.
+DEFAULT_POD_LABEL = "pod"
 # One answer holds about 200 bytes per series: 1,000 models x 13 latency series is ~2.5 MiB. 64 MiB is room
 # for 20x that, and bounds what a broken or hostile endpoint can make the three query threads hold.
 MAX_ANSWER_BYTES = 64 << 20
@@ -165,6 +169,52 @@ def _batchpilot_queries(window_s: int, namespace_label: str | None) -> dict[str,
     return {"latency": latency, "rates": rates, "gauges": gauges}
 
 
+def _promql_regex(text: str) -> str:
+    """``text`` matched literally by an RE2 regex, inside a double-quoted PromQL string."""
+    regex = re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text)
+    return regex.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def build_pod_query(
+    window_s: int,
+    models: Collection[str],
+    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
+    pod_label: str = DEFAULT_POD_LABEL,
+) -> str:
+    """One query for the profiles with a canary in progress (batchpilot's runtime only): the P99 and the
+    observation rate of each latency histogram per pod, for ``models`` alone, tagged as in
+    :func:`build_queries`'s latency query so that the same parser reads it."""
+    by = ", ".join(label for label in (namespace_label, rm.LABEL_MODEL, pod_label) if label)
+    selector = f'{{{rm.LABEL_MODEL}=~"{"|".join(_promql_regex(m) for m in sorted(set(models)))}"}}'
+    w = f"[{window_s}s]"
+    parts = []
+    for slo_name, histogram in LATENCY_HISTOGRAMS.items():
+        buckets = f"sum by ({by}, le) (rate({histogram}_bucket{selector}{w}))"
+        quantile = _tag(f"histogram_quantile(0.99, {buckets})", slo_name)
+        parts.append(f'label_replace({quantile}, "{QUANTILE_LABEL}", "0.99", "", "")')
+        parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{selector}{w}))", f"{slo_name}{COUNT_SUFFIX}"))
+    return " or ".join(parts)
+
+
+def parse_pod_results(
+    samples: Sequence[Mapping[str, Any]],
+    window_s: float,
+    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
+    pod_label: str = DEFAULT_POD_LABEL,
+) -> dict[ModelKey, dict[str, ModelMetrics]]:
+    """The answer of :func:`build_pod_query` per (namespace, model), then per pod name."""
+    by_pod: dict[str, list[Mapping[str, Any]]] = {}
+    for sample in samples:
+        pod = (sample.get("metric") or {}).get(pod_label)
+        if pod:
+            by_pod.setdefault(str(pod), []).append(sample)
+    per_key: dict[ModelKey, dict[str, ModelMetrics]] = {}
+    for pod, pod_samples in sorted(by_pod.items()):
+        for key, metrics in parse_results({"latency": pod_samples}, window_s, namespace_label).items():
+            per_key.setdefault(key, {})[pod] = metrics
+    return per_key
+
+
 def _value(sample: Mapping[str, Any]) -> float:
     raw = sample.get("value")
     if not isinstance(raw, list | tuple) or len(raw) != 2:
@@ -227,6 +277,7 @@ class PrometheusSource:
         namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
         headers: Mapping[str, str] | None = None,
         max_body_bytes: int = MAX_ANSWER_BYTES,
+        pod_label: str = DEFAULT_POD_LABEL,
     ) -> None:
         import requests
         from prometheus_api_client import PrometheusConnect
@@ -236,6 +287,7 @@ class PrometheusSource:
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
         self.namespace_label = namespace_label
+        self.pod_label = pod_label
         self.window_s = rate_window_s(scrape_interval_s, interval_s)
         self.queries_total = 0
         self.last_stats = QueryStats(0, 0.0)
@@ -297,8 +349,23 @@ class PrometheusSource:
         due profiles, whose names the queries read.
         """
         del targets
+        answers = await self._run(build_queries(self.window_s, self.namespace_label, engines))
+        return parse_results(answers, self.window_s, self.namespace_label)
+
+    async def collect_pods(
+        self, targets: Mapping[ModelKey, Mapping[str, str]]
+    ) -> dict[ModelKey, dict[str, ModelMetrics]]:
+        """Per-pod latency of the models of ``targets`` (profiles with a canary in progress), in one query."""
+        models = {model for _, model in targets}
+        if not models:
+            return {}
+        query = build_pod_query(self.window_s, models, self.namespace_label, self.pod_label)
+        answers = await self._run({"pods": query}, record_stats=False)
+        return parse_pod_results(answers["pods"], self.window_s, self.namespace_label, self.pod_label)
+
+    async def _run(self, queries: Mapping[str, str], *, record_stats: bool = True) -> dict[str, list[dict[str, Any]]]:
+        """Run ``queries`` concurrently; their answers by name, or MetricsUnavailable naming the cause."""
         loop = asyncio.get_running_loop()
-        queries = build_queries(self.window_s, self.namespace_label, engines)
         started = time.monotonic()
         futures = {name: loop.run_in_executor(self._pool, self._query, expr) for name, expr in queries.items()}
         self.queries_total += len(futures)
@@ -310,7 +377,8 @@ class PrometheusSource:
         except TimeoutError:
             raise MetricsUnavailable(too_slow) from None
         finally:
-            self.last_stats = QueryStats(len(futures), time.monotonic() - started)
+            if record_stats:
+                self.last_stats = QueryStats(len(futures), time.monotonic() - started)
         answers: dict[str, list[dict[str, Any]]] = {}
         for name, outcome in zip(futures, outcomes, strict=True):
             if isinstance(outcome, MetricsUnavailable):
@@ -322,7 +390,7 @@ class PrometheusSource:
             if isinstance(outcome, BaseException):  # requests/urllib3/prometheus-api-client raise many types
                 raise MetricsUnavailable(f"Prometheus at {self.url} failed ({name}): {_short(outcome)}") from None
             answers[name] = outcome
-        return parse_results(answers, self.window_s, self.namespace_label)
+        return answers
 
 
 def timed_out(error: BaseException) -> bool:

@@ -167,6 +167,7 @@ class ScrapeSource:
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._clock = clock
         self._history: dict[str, deque[Scrape]] = {}
+        self._by_url: dict[str, dict[ModelKey, ModelMetrics]] = {}  # each pod's figures from the last collect
         self.scrapes_total = 0
 
     async def aclose(self) -> None:
@@ -207,13 +208,33 @@ class ScrapeSource:
             if isinstance(result, BaseException):
                 failures.append(f"{url}: {type(result).__name__}: {result}")
                 self._history.pop(url, None)
+                self._by_url.pop(url, None)
                 continue
             oldest = self._oldest_within_window(url, result)
             metrics_from_scrapes(result, oldest, builder, namespace=key[0])
+            # The same scrapes alone: this pod's figures, for a canary (collect_pods).
+            own = MetricsBuilder(result.at_s - oldest.at_s if oldest is not None else 0.0)
+            metrics_from_scrapes(result, oldest, own, namespace=key[0])
+            self._by_url[url] = own.build()
         if urls and len(failures) == len(urls):
             raise MetricsUnavailable("no runtime answered /metrics: " + "; ".join(failures[:3]))
+        for url in set(self._by_url) - {url for _, url in urls}:
+            del self._by_url[url]  # a pod no longer scraped
         built = builder.build()
         spans = [h[-1].at_s - h[0].at_s for _, u in urls if (h := self._history.get(u))]
         for metrics in built.values():
             metrics.window_s = max(spans, default=0.0)
         return built
+
+    async def collect_pods(
+        self, targets: Mapping[ModelKey, Mapping[str, str]]
+    ) -> dict[ModelKey, dict[str, ModelMetrics]]:
+        """Each pod's figures (by pod name) from the scrapes of the last :meth:`collect`, which scraped every
+        pod already: no request here, and a pod that did not answer then has none."""
+        per_key: dict[ModelKey, dict[str, ModelMetrics]] = {}
+        for key, pods in targets.items():
+            for pod, url in pods.items():
+                metrics = self._by_url.get(url, {}).get(key)
+                if metrics is not None:
+                    per_key.setdefault(key, {})[pod] = metrics
+        return per_key
