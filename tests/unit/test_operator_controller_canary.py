@@ -264,3 +264,28 @@ async def test_without_a_canary_in_progress_no_per_pod_query_runs(h: Harness) ->
     assert h.source.pod_calls == 0
     assert "canary" not in h.status()
     assert h.window("0") == h.window("1")
+
+
+async def test_an_operator_restarted_mid_canary_returns_the_canary_pods_and_says_so(h: Harness) -> None:
+    _canaries, others, tried = await start_canary(h)
+    h.source.model_latency_s = 0.3  # within the SLO: the new operator's policy holds
+    successor = Controller(
+        Settings(interval_override_s=1.0, default_token="secret", default_token_namespaces=frozenset({"ml"})),
+        h.source,
+        h.controller.admin,
+        h.sink,
+        wall_clock=lambda: h.now,
+        monotonic=lambda: h.now,
+    )
+    h.controller = successor
+    for pod_id in PODS:
+        h.add_pod(pod_id)
+    successor.upsert_profile("ml", "chat", canary_spec(), generation=1, status=h.status())
+    for _ in range(2):
+        await h.tick()
+    assert h.status()["canary"]["verdict"] == "rolledBack"
+    assert "restarted" in h.status()["canary"]["reason"]
+    first = h.window(others[0])
+    assert not first.fields_equal(tried)
+    for pod_id in PODS:  # every pod on the baseline's fields, numbered past the canary
+        assert h.window(pod_id) == first and first.generation > tried.generation
