@@ -42,7 +42,9 @@ def test_a_vllm_profile_that_would_push_is_refused_by_both(mode: str) -> None:
     assert "engine vllm supports only tuning.mode recommend" in str(refused.value)
     assert f"got tuning.mode {mode}" in str(refused.value)
     _, errors = validate_object(CRD, make_manifest(spec))
-    assert errors == ["spec: engine vllm supports only tuning.mode recommend (vLLM takes a window only at start-up)"]
+    assert errors == [
+        "spec: engine vllm supports only tuning.mode recommend or restart (vLLM takes a window only at start-up)"
+    ]
 
 
 def test_a_vllm_profile_that_recommends_is_accepted_by_both() -> None:

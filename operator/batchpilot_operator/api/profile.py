@@ -24,6 +24,7 @@ from batchpilot_operator.api.bounds import TokenRange as TokenRange
 from batchpilot_operator.api.bounds import WindowBounds as WindowBounds
 from batchpilot_operator.api.bounds import cel_rules
 from batchpilot_operator.api.canary import CANARY_RULE, Canary, CanaryStatus, canary_problems
+from batchpilot_operator.api.restart import RestartBudget, RestartStatus
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.contract.window import (
     MAX_BATCH_SIZE,
@@ -55,6 +56,7 @@ class TuningMode(StrEnum):
     ADAPTIVE = "adaptive"
     RECOMMEND = "recommend"
     STATIC = "static"
+    RESTART = "restart"  # restart-only engines: patch the workload's args within spec.restart's budget
 
 
 class EngineKind(StrEnum):
@@ -185,8 +187,9 @@ class Tuning(CamelModel):
         default=None,
         description=(
             "adaptive: retune and push; recommend: compute and report in status but never push; "
-            "static: push spec.window as it is. Unset: adaptive, or recommend for an engine that takes "
-            "a window only at start-up (vllm)."
+            "static: push spec.window as it is; restart (vllm, sglang): patch the workload's args with "
+            "the recommendation and let it roll, within spec.restart's budget. Unset: adaptive, or "
+            "recommend for an engine that takes a window only at start-up (vllm); never restart."
         ),
     )
     interval_seconds: int = Field(
@@ -264,9 +267,11 @@ class RuntimeEndpoint(CamelModel):
     )
 
 
-# vLLM takes max_num_seqs and max_num_batched_tokens only as start-up flags; the restart path that would
-# apply a window by rolling the workload is not built, so a vLLM profile only recommends.
-VLLM_MODE_MESSAGE = "engine vllm supports only tuning.mode recommend (vLLM takes a window only at start-up)"
+# vLLM takes max_num_seqs and max_num_batched_tokens only as start-up flags: a vLLM profile recommends, or
+# restarts its workload with new flags under spec.restart's budget.
+VLLM_MODE_MESSAGE = "engine vllm supports only tuning.mode recommend or restart (vLLM takes a window only at start-up)"
+RESTART_ENGINE_MESSAGE = "tuning.mode restart is for engine vllm or sglang (batchpilot takes a window live)"
+RESTART_BUDGET_MESSAGE = "tuning.mode restart needs spec.restart (the workload and its restart budget)"
 
 _BATCH_PROFILE_RULES: list[JsonValue] = [
     {
@@ -301,8 +306,17 @@ _BATCH_PROFILE_RULES: list[JsonValue] = [
     },
     {
         "rule": "!has(self.engine) || self.engine != 'vllm' || !has(self.tuning) || !has(self.tuning.mode) || "
-        "self.tuning.mode == 'recommend'",
+        "self.tuning.mode == 'recommend' || self.tuning.mode == 'restart'",
         "message": VLLM_MODE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.tuning) || !has(self.tuning.mode) || self.tuning.mode != 'restart' || "
+        "(has(self.engine) && self.engine != 'batchpilot')",
+        "message": RESTART_ENGINE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.tuning) || !has(self.tuning.mode) || self.tuning.mode != 'restart' || has(self.restart)",
+        "message": RESTART_BUDGET_MESSAGE,
     },
     CANARY_RULE,
 ]
@@ -325,8 +339,8 @@ class BatchProfileSpec(CamelModel):
         default=EngineKind.BATCHPILOT,
         description=(
             "The serving engine of the selected pods: batchpilot (this project's runtime; windows applied "
-            "live through its admin API), vllm (metrics read as vllm:*; windows only recommended, since "
-            "vLLM takes them only at start-up) or sglang (metrics read as sglang:*; the cap and the prefill "
+            "live through its admin API), vllm (metrics read as vllm:*; windows recommended, or applied by "
+            "restarting the workload in tuning.mode restart, since vLLM takes them only at start-up) or sglang (metrics read as sglang:*; the cap and the prefill "
             "budget applied live through POST /set_internal_state where the server accepts them)."
         ),
     )
@@ -349,11 +363,18 @@ class BatchProfileSpec(CamelModel):
     runtime: RuntimeEndpoint = Field(
         default_factory=RuntimeEndpoint, description="How the operator reaches the runtime pods."
     )
+    restart: RestartBudget | None = Field(
+        default=None,
+        description=(
+            "tuning.mode restart: the workload whose container args carry the engine's flags, and how often "
+            "the operator may restart it (docs/engines.md)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> BatchProfileSpec:
         problems = cross_field_problems(self.window, self.tuning.bounds, self.lanes)
-        problems.extend(engine_mode_problems(self.engine, self.tuning.mode))
+        problems.extend(engine_mode_problems(self.engine, self.tuning.mode, has_restart=self.restart is not None))
         problems.extend(canary_problems(self.tuning.canary, self.engine.value, self.mode.value))
         if problems:
             raise ValueError("; ".join(problems))
@@ -365,11 +386,16 @@ class BatchProfileSpec(CamelModel):
         return self.tuning.mode or default_mode(self.engine)
 
 
-def engine_mode_problems(engine: EngineKind | None, mode: TuningMode | None) -> list[str]:
-    """The rule between spec.engine and spec.tuning.mode, as the CRD's CEL rule states it."""
-    if engine == EngineKind.VLLM and mode not in (None, TuningMode.RECOMMEND):
-        return [f"{VLLM_MODE_MESSAGE}; got tuning.mode {mode.value if mode else mode}"]
-    return []
+def engine_mode_problems(engine: EngineKind | None, mode: TuningMode | None, *, has_restart: bool) -> list[str]:
+    """The rules between spec.engine, spec.tuning.mode and spec.restart, as the CRD's CEL rules state them."""
+    problems = []
+    if engine == EngineKind.VLLM and mode not in (None, TuningMode.RECOMMEND, TuningMode.RESTART):
+        problems.append(f"{VLLM_MODE_MESSAGE}; got tuning.mode {mode.value if mode else mode}")
+    if mode == TuningMode.RESTART and engine == EngineKind.BATCHPILOT:
+        problems.append(RESTART_ENGINE_MESSAGE)
+    if mode == TuningMode.RESTART and not has_restart:
+        problems.append(RESTART_BUDGET_MESSAGE)
+    return problems
 
 
 def cross_field_problems(window: WindowFields | None, bounds: WindowBounds | None, lanes: list[Lane]) -> list[str]:
@@ -543,6 +569,9 @@ class BatchProfileStatus(CamelModel):
     canary: CanaryStatus | None = Field(
         default=None, description="The last canary retune (tuning.canary): running, promoted or rolled back, and why."
     )
+    restart: RestartStatus | None = Field(
+        default=None, description="tuning.mode restart: what the restart path applied, when, and when it may next."
+    )
     conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Standard conditions.")
 
 
@@ -596,7 +625,7 @@ def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
     problems = cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
     engine = _enum_part(EngineKind, spec.get("engine", EngineKind.BATCHPILOT.value))
     mode = _enum_part(TuningMode, tuning.get("mode")) if isinstance(tuning, dict) else None
-    return problems + engine_mode_problems(engine, mode)
+    return problems + engine_mode_problems(engine, mode, has_restart=isinstance(spec.get("restart"), dict))
 
 
 def _enum_part(enum: type[_E], value: Any) -> _E | None:
