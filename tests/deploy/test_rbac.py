@@ -170,10 +170,13 @@ _API_PATH = re.compile(
 # and CustomObjectsApi's ``<verb>_..._custom_object`` on this project's group and plural.
 _CORE_CALL = re.compile(r"\b_core\.(?:read|create|patch|replace|delete|list)_namespaced_(?P<kind>[a-z]+)\b")
 _CUSTOM_CALL = re.compile(r"\b_custom\.\w+_custom_object(?:_status)?,\s*GROUP,\s*VERSION,[^)]*\bPLURAL\b")
+# AppsV1Api's ``<verb>_namespaced_<kind>`` with the kind in snake case (stateful_set -> statefulsets).
+_APPS_CALL = re.compile(r"\b_apps\.(?:read|create|patch|replace|delete|list)_namespaced_(?P<kind>[a-z_]+)\b")
 
 
 def _client_calls(text: str) -> set[tuple[str, str]]:
     found = {("", match.group("kind") + "s") for match in _CORE_CALL.finditer(text)}
+    found |= {("apps", match.group("kind").replace("_", "") + "s") for match in _APPS_CALL.finditer(text)}
     if _CUSTOM_CALL.search(text):
         found.add((GROUP, "batchprofiles"))
     return found
@@ -213,4 +216,5 @@ def test_every_resource_the_operator_code_calls_is_declared() -> None:
         found |= _client_calls(path.read_text())
     assert ("", "secrets") in found and ("", "events") in found  # the extraction sees the calls
     assert (GROUP, "batchprofiles") in found
+    assert ("apps", "deployments") in found and ("apps", "statefulsets") in found
     assert found <= declared, f"undeclared: {sorted(found - declared)}"

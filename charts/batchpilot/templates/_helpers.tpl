@@ -156,6 +156,13 @@ batchpilot.dev/model: {{ $model.name }}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+# tuning.mode restart: the workload of spec.restart is read and its engine container's args applied.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "patch"]
 {{- if .peering }}
 # kopf peering of namespaced operators, one KopfPeering per watched namespace.
 - apiGroups: ["kopf.dev"]

@@ -92,6 +92,21 @@ PERMISSIONS: tuple[Permission, ...] = (
         "name one, which takes the ClusterRole (resourceNames cannot help: the names are the profiles' choice)",
     ),
     Permission(
+        "apps",
+        "deployments",
+        ("get", "patch"),
+        "namespace",
+        "tuning.mode restart reads the workload a profile names in spec.restart and server-side applies its "
+        "engine container's args (field manager batchpilot), which rolls it",
+    ),
+    Permission(
+        "apps",
+        "statefulsets",
+        ("get", "patch"),
+        "namespace",
+        "as deployments, for a spec.restart workload of kind StatefulSet",
+    ),
+    Permission(
         "apiextensions.k8s.io",
         "customresourcedefinitions",
         ("list", "watch"),

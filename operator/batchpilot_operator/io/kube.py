@@ -5,7 +5,9 @@ Events itself (a kopf timer stops for good after a failed patch, one of kopf's
 known failure modes, and kopf's own status writes merge into the handler's
 result). Every call made here is listed in :mod:`batchpilot_operator.api.rbac`:
 ``batchprofiles`` list, ``batchprofiles/status`` patch, ``events`` create,
-``secrets`` get, and a get of kopf's peering object.
+``secrets`` get, a get of kopf's peering object, and (``tuning.mode: restart``)
+``deployments``/``statefulsets`` get and a server-side apply of one container's
+args under the field manager ``batchpilot``.
 
 Credentials are ``kubernetes.config``'s: the in-cluster service account when
 running in a pod and no kubeconfig was named (its token re-read as it
@@ -40,6 +42,7 @@ import urllib3
 from kubernetes.client import (
     ApiClient,
     ApiException,
+    AppsV1Api,
     Configuration,
     CoreV1Api,
     CoreV1Event,
@@ -55,6 +58,10 @@ from kubernetes.config.incluster_config import InClusterConfigLoader
 from batchpilot_operator import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# The field manager of the restart path's server-side applies: what Argo CD's ignoreDifferences
+# (managedFieldsManagers) and docs/engines.md name, so that GitOps can be told to leave these fields alone.
+FIELD_MANAGER = "batchpilot"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 MAX_ERROR_CHARS = 500
 T = TypeVar("T")
 
@@ -183,6 +190,7 @@ class KubeClient:
         self._api = ApiClient(config.configuration)
         self._core = CoreV1Api(self._api)
         self._custom = CustomObjectsApi(self._api)
+        self._apps = AppsV1Api(self._api)
         # Events are posted concurrently; this bounds the threads (and connections) they take.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="kube")
 
@@ -243,6 +251,40 @@ class KubeClient:
             return base64.b64decode(data[key]).decode().strip()
         string_data = secret.string_data or {}
         return str(string_data[key]).strip() if key in string_data else None
+
+    async def read_workload(self, namespace: str, kind: str, name: str) -> dict[str, Any]:
+        """A Deployment or StatefulSet as the API returns it (JSON, no client model in between)."""
+        read = {"Deployment": self._apps.read_namespaced_deployment,
+                "StatefulSet": self._apps.read_namespaced_stateful_set}.get(kind)  # fmt: skip
+        if read is None:
+            raise ValueError(f"workload kind {kind!r} is not one of {', '.join(WORKLOAD_KINDS)}")
+        response = await self._call(read, name, namespace, _preload_content=False)
+        body = json.loads(getattr(response, "data", b"") or b"{}")  # the raw urllib3 response
+        return body if isinstance(body, dict) else {}
+
+    async def apply_container_args(
+        self, namespace: str, kind: str, name: str, container: str, args: list[str]
+    ) -> dict[str, Any]:
+        """Server-side apply of one container's ``args`` under :data:`FIELD_MANAGER`, forced: the args were
+        another manager's (kubectl, Argo CD, Flux), and this takes them over, so that GitOps tools told to
+        ignore this manager's fields stop reverting them. Nothing else of the workload is in the apply, so
+        nothing else becomes the operator's. A change of the pod template rolls the workload."""
+        patch = {"Deployment": self._apps.patch_namespaced_deployment,
+                 "StatefulSet": self._apps.patch_namespaced_stateful_set}.get(kind)  # fmt: skip
+        if patch is None:
+            raise ValueError(f"workload kind {kind!r} is not one of {', '.join(WORKLOAD_KINDS)}")
+        body = {
+            "apiVersion": "apps/v1",
+            "kind": kind,
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"template": {"spec": {"containers": [{"name": container, "args": list(args)}]}}},
+        }
+        response = await self._call(
+            patch, name, namespace, body, field_manager=FIELD_MANAGER, force=True,
+            _content_type="application/apply-patch+yaml", _preload_content=False,
+        )  # fmt: skip
+        result = json.loads(getattr(response, "data", b"") or b"{}")
+        return result if isinstance(result, dict) else {}
 
     async def create_event(
         self,
