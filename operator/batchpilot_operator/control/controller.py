@@ -70,6 +70,7 @@ from batchpilot_operator.control.records import (
     window_from_status,
 )
 from batchpilot_operator.control.registry import Registry
+from batchpilot_operator.control.restart import RECOMMENDING, RestartPath, Workloads
 from batchpilot_operator.control.sglang_sync import SGLangSync
 from batchpilot_operator.control.status import (
     UNKNOWN,
@@ -107,6 +108,7 @@ class Controller:
         monotonic: Callable[[], float] = time.monotonic,
         on_decision: Callable[[ProfileRecord, policy_mod.Decision], None] | None = None,
         sglang: SGLangClient | None = None,
+        workloads: Workloads | None = None,
     ) -> None:
         self._settings = settings
         self.source = source
@@ -122,6 +124,7 @@ class Controller:
         self.events = Events(sink, settings.max_events_per_tick)
         self.syncer = Syncer(settings, admin, sink, self.metrics, monotonic, self._queue_event)
         self.sglang = SGLangSync(sglang or SGLangClient(timeout_s=admin.timeout_s))
+        self.restart = RestartPath(workloads, self._queue_event)  # tuning.mode restart (control/restart.py)
         self.canaries = Canaries(self._queue_event)
         self.last_tick_started_s: float | None = None
         self.last_tick_finished_s: float | None = None
@@ -209,6 +212,7 @@ class Controller:
 
     def remove_profile(self, namespace: str, name: str) -> None:
         record = self.registry.pop_profile(f"{namespace}/{name}")
+        self.restart.forget(f"{namespace}/{name}")
         if record is not None and record.spec is not None:
             self.metrics.forget_profile(namespace, name, record.spec.model)
         self.metrics.profiles_managed.set(len(self.profiles))
@@ -423,7 +427,7 @@ class Controller:
             decision = policy_mod.Decision(
                 window, "hold", "Static mode: the spec's window is pushed as it is.", record.memory.policy_state
             )
-        elif spec.mode == TuningMode.RECOMMEND:
+        elif spec.mode in RECOMMENDING:  # restart mode: the window in force is what the workload runs
             in_force = pods_window(record) or window
             decision = policy_mod.decide(spec, in_force, obs, record.memory.policy_state, now_s)
             record.memory.policy_state = decision.state
@@ -474,7 +478,7 @@ class Controller:
     ) -> None:
         """Record a decision in status, metrics, the log, ``on_decision`` and (when it is news) an Event."""
         direction: str = decision.direction
-        if spec.mode == TuningMode.RECOMMEND and decision.changed:
+        if spec.mode in RECOMMENDING and decision.changed:
             direction = "recommend"
         previous = record.memory.last_decision
         if previous is None or (previous.direction, previous.reason) != (direction, decision.reason):
@@ -494,7 +498,7 @@ class Controller:
         if decision.changed or direction == "recommend" or decision.reason != record.memory.last_reason:
             # Holds that repeat the same reason are not re-posted: one Event per new reason, one per change.
             message = decision.reason
-            if decision.changed and spec.mode != TuningMode.RECOMMEND:
+            if decision.changed and spec.mode not in RECOMMENDING:
                 message = f"{decision.window.describe()}: {decision.reason}"
             elif direction == "recommend":
                 message = f"recommend {decision.window.describe()}: {decision.reason}"
@@ -530,6 +534,10 @@ class Controller:
 
     async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
         spec, window = record.spec, record.loop.window
+        if spec is not None and window is not None and spec.mode == TuningMode.RESTART:
+            await self.restart.sync(record, self._wall())
+            record.loop.push_pending = False
+            return
         if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
             if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine == EngineKind.BATCHPILOT:
                 # Only batchpilot's runtime answers GET /admin/window: other engines' pods are not read.
@@ -571,7 +579,7 @@ class Controller:
         await self.events.drain(timeout_s)
 
     def facts(self, record: ProfileRecord) -> StatusFacts:
-        return status_facts(record, self.pods_of(record))
+        return self.restart.amend(record, status_facts(record, self.pods_of(record)))
 
     async def _write_statuses(
         self, records: Sequence[ProfileRecord], now_s: float, report: TickReport, only: tuple[str, ...] | None = None
@@ -598,6 +606,9 @@ class Controller:
             record.status.invalid_reported_generation = record.generation
             self._queue_event(record, "Warning", "InvalidSpec", record.error or "invalid spec")
         new_status = build_status(facts, record.status.written, now_iso)
+        restart_status = self.restart.status_of(record)
+        if restart_status is not None:
+            new_status["restart"] = restart_status
         old_window = record.status.written.get("window")
         if (
             facts.window is not None

@@ -258,6 +258,7 @@ class OperatorApp:
             self.admin,
             KubeSink(self.kube),
             metrics=self.metrics,
+            workloads=self.kube,
         )
         self.identity = f"batchpilot-{uuid.uuid4().hex[:12]}"
         self.priority = options.priority if options.priority is not None else int(time.time() * 1000) % 2**31

@@ -136,7 +136,7 @@ def print_decision(out: TextIO, output: str = "text") -> Any:
     def on_decision(record: ProfileRecord, decision: policy_mod.Decision) -> None:
         mode = record.spec.mode.value if record.spec else "?"
         engine = record.spec.engine.value if record.spec else BATCHPILOT
-        direction = decision.direction if mode != "recommend" or not decision.changed else "recommend"
+        direction = decision.direction if mode not in ("recommend", "restart") or not decision.changed else "recommend"
         # The window in the engine's own settings (vLLM's flags, SGLang's server args); none for batchpilot.
         settings = engine_settings(engine, decision.window)
         if output == "json":
