@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from batchpilot_operator.demo.answers import CHAT_CHECKPOINT, QUESTIONS
 from batchpilot_operator.demo.children import Child, DemoError, wait_until
 
 DEMO_TIMEOUT_S = 600
@@ -131,10 +132,25 @@ def test_the_report_has_both_tails_the_budget_and_the_surge(report: dict[str, An
 
 
 @pytest.mark.slow
+def test_the_real_chat_model_answered_before_the_replay(
+    demo: tuple[subprocess.CompletedProcess[str], Path], report: dict[str, Any]
+) -> None:
+    result, out_dir = demo
+    answers = report["answers"]
+    assert [a["question"] for a in answers] == list(QUESTIONS)
+    assert all(a["model"] == CHAT_CHECKPOINT and a["completion_tokens"] > 0 for a in answers)
+    assert "Paris" in answers[0]["answer"]
+    lines = result.stdout.splitlines()
+    first_answer = lines.index(f"  Q: {QUESTIONS[0]}")
+    assert first_answer < min(i for i, line in enumerate(lines) if line.startswith("runtime chat:"))
+    assert 'id="answers"' in (out_dir / "report.html").read_text()
+
+
+@pytest.mark.slow
 def test_children_are_gone(demo: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     _, out_dir = demo
     pids = [json.loads(p.read_text())["pid"] for p in (out_dir / "run").glob("*.ready.json")]
-    assert len(pids) == 2
+    assert len(pids) == 3  # the real chat model's runtime, then the two of the replay
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

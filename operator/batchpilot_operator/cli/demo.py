@@ -1,6 +1,7 @@
 """``batchpilot-operator demo``: the embedded demo (no cluster, no GPU).
 
-Two runtimes serve two models that want different windows (an interactive one under a
+First the real chat model (smollm2-135m-instruct) answers a few questions over the chat API,
+alone on the machine (``--no-answers`` skips it). Then two runtimes serve two models that want different windows (an interactive one under a
 tight SLO, an offline one under a loose SLO), a slice of the Azure conversation trace is
 replayed against them twice — with the profiles' windows held
 (static), then retuned by the operator (adaptive) — and a self-contained HTML report with
@@ -58,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="let the operator scrape the runtimes itself even when prometheus is installed",
     )
+    parser.add_argument(
+        "--no-answers",
+        action="store_true",
+        help="skip the real chat model (smollm2-135m-instruct) answering a few questions before the replay",
+    )
     parser.add_argument("--trace", type=Path, metavar="CSV", default=None, help="a trace in the Azure trace format")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default: 0)")
     parser.set_defaults(handler=_cmd_demo)
@@ -70,6 +76,8 @@ def _reproduce(args: argparse.Namespace, duration_s: float) -> str:
         words += ["--preset", args.preset]
     if args.no_prometheus:
         words.append("--no-prometheus")
+    if args.no_answers:
+        words.append("--no-answers")
     if args.trace:
         words += ["--trace", str(args.trace)]
     if args.seed:
@@ -92,6 +100,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         live=not args.no_live and sys.stdout.isatty(),
         preset_override=args.preset,
         prometheus=not args.no_prometheus,
+        answers=not args.no_answers,
         trace_path=args.trace,
         seed=args.seed,
         command=_reproduce(args, duration_s),

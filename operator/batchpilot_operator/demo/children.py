@@ -186,14 +186,17 @@ def threads_per_runtime(runtimes: int, cpus: int | None) -> int:
 def runtime_command(
     *,
     model: str,
-    preset: str,
+    preset: str | None,
     window_flags: Sequence[str],
     kv_cache_tokens: int,
     token_file: Path,
     ready_file: Path,
     seed: int,
     threads: int,
+    checkpoint: str | None = None,
 ) -> list[str]:
+    """``serve`` on free ports, writing ``ready_file``; the model a ``preset`` or, instead, a ``checkpoint``."""
+    source = ["--checkpoint", checkpoint] if checkpoint is not None else ["--preset", str(preset)]
     return [
         sys.executable,
         "-m",
@@ -201,8 +204,7 @@ def runtime_command(
         "serve",
         "--model-name",
         model,
-        "--preset",
-        preset,
+        *source,
         "--host",
         "127.0.0.1",
         "--port",

@@ -392,6 +392,24 @@ def _models_table(report: DemoReport) -> str:
     return '<table id="models">' + "".join(rows) + "</table>"
 
 
+def _answers_section(report: DemoReport) -> str:
+    """The real chat model's answers (none with --no-answers)."""
+    if not report.answers:
+        return ""
+    rows = ["<tr><th>question</th><th>answer</th><th>tokens</th><th>seconds</th></tr>"]
+    for answer in report.answers:
+        rows.append(
+            f'<tr><td class="text">{_e(answer.question)}</td><td class="text">{_e(answer.answer)}</td>'
+            f"{_cell(answer.completion_tokens)}{_cell(answer.seconds)}</tr>"
+        )
+    return (
+        f"<h2>Real answers</h2><p>Before the replay, the real chat model (<code>{_e(report.answers[0].model)}</code>,"
+        " SmolLM2-135M-Instruct) answered these over <code>/v1/chat/completions</code> at temperature 0, alone on"
+        " the machine; the replay below runs the <code>tiny</code> preset (random weights), which serves enough"
+        ' requests per second here for the operator to act on.</p><table id="answers">' + "".join(rows) + "</table>"
+    )
+
+
 def _shown_decisions(decisions: list[DecisionRecord]) -> list[DecisionRecord]:
     """Every change, and a hold only when its reason differs from the model's previous decision
     (the same hold every interval says nothing new; the JSON keeps them all)."""
@@ -457,7 +475,7 @@ Every figure below is in <code>{REPORT_JSON}</code> beside this page.</p>
 replay {_e(format_figure(run.phase_replay_s))} s per phase · wall time {_e(format_figure(run.wall_s))} s ·
 operator metrics from {_e(run.metrics_source)}, every {_e(run.operator_interval_s)} s ·
 demo scrapes every {_e(format_figure(run.scrape_interval_s))} s{reproduce}</p>
-<h2>Models</h2>{_models_table(report)}
+{_answers_section(report)}<h2>Models</h2>{_models_table(report)}
 <h2>Static vs adaptive</h2>
 <p>Latencies are those of each model's SLO metric over the whole phase, read from the runtimes'
 histograms; the inter-token figures are those of the gaps between two tokens of one request;

@@ -197,6 +197,17 @@ class ComparisonRow(_Model):
     change_pct: float | None  # (adaptive - static) / static
 
 
+class ChatAnswer(_Model):
+    """A question put to the real chat model before the replay, and its answer (temperature 0)."""
+
+    model: str
+    question: str
+    answer: str
+    completion_tokens: int
+    finish_reason: str
+    seconds: float  # from the request to the whole answer, the model alone on the machine
+
+
 class DemoReport(_Model):
     version: int = 1
     created_at: str
@@ -204,6 +215,7 @@ class DemoReport(_Model):
     models: list[DemoModelInfo]
     phases: list[PhaseResult]
     comparison: list[ComparisonRow]
+    answers: list[ChatAnswer] = []  # empty when the demo ran with --no-answers
 
     def phase(self, mode: Mode) -> PhaseResult | None:
         return next((p for p in self.phases if p.mode == mode), None)

@@ -28,6 +28,7 @@ from typing import TextIO
 import httpx
 import yaml
 
+from batchpilot_operator.demo.answers import CHAT_CHECKPOINT, KV_CACHE_TOKENS, ask_all
 from batchpilot_operator.demo.children import (
     Child,
     DemoError,
@@ -49,6 +50,7 @@ from batchpilot_operator.demo.live import LastDecision, View, ViewState
 from batchpilot_operator.demo.report import write_report
 from batchpilot_operator.demo.results import (
     MODES,
+    ChatAnswer,
     DecisionRecord,
     DemoModelInfo,
     DemoReport,
@@ -144,6 +146,7 @@ class Demo:
         self.state = ViewState(phases=len(MODES))
         self.view = View(self.models, None, self.state, live=settings.live, stream=stream)
         self.started_s = time.monotonic()
+        self.answers: list[ChatAnswer] = []
 
     # ---- children ------------------------------------------------------------------------
 
@@ -174,6 +177,36 @@ class Demo:
         for (child, endpoint), model in zip(started, self.models, strict=True):
             self.runtimes[model.name] = (child, endpoint)
             self.view.say(f"runtime {model.name}: preset {model.preset}, serving {endpoint.serve_url}")
+
+    async def _real_answers(self, token_file: Path) -> list[ChatAnswer]:
+        """The real chat model answers demo/answers.py's questions, alone with every core, then stops."""
+        ready_file = self.out_dir / "run" / "chat-model.ready.json"
+        ready_file.parent.mkdir(parents=True, exist_ok=True)
+        argv = runtime_command(
+            model=CHAT_CHECKPOINT,
+            preset=None,
+            checkpoint=CHAT_CHECKPOINT,
+            window_flags=[],
+            kv_cache_tokens=KV_CACHE_TOKENS,
+            token_file=token_file,
+            ready_file=ready_file,
+            seed=self.settings.seed,
+            threads=threads_per_runtime(1, os.cpu_count()),
+        )
+        child = self._child(f"runtime {CHAT_CHECKPOINT}", argv, "runtime-chat-model.log")
+        self.view.say(f"the real chat model, {CHAT_CHECKPOINT}, answers first (temperature 0):")
+        endpoint = await start_runtime(child, ready_file, self.settings.ready_timeout_s)
+        try:
+            answers = await ask_all(endpoint.serve_url)
+        except (httpx.HTTPError, ValueError) as error:
+            raise child.failure(f"did not answer ({error})") from None
+        finally:
+            await child.stop()
+        for answer in answers:
+            self.view.say(f"  Q: {answer.question}")
+            text = answer.answer.replace("\n", "\n     ")  # a poem's lines stay under the answer
+            self.view.say(f"  A: {text}  ({answer.completion_tokens} tokens, {answer.seconds:g} s)")
+        return answers
 
     async def _start_prometheus(self) -> None:
         binary = find_prometheus() if self.settings.prometheus else None
@@ -446,6 +479,8 @@ class Demo:
             f"per phase, output in {self.out_dir}"
         )
         try:
+            if self.settings.answers:
+                self.answers = await self._real_answers(token_file)
             await self._start_runtimes(token_file)
             await self._start_prometheus()
             self.collector = Collector(
@@ -522,6 +557,7 @@ class Demo:
             ],
             phases=phases,
             comparison=compare(phases, [m.name for m in self.models]),
+            answers=self.answers,
         )
 
 

@@ -171,6 +171,7 @@ class DemoSettings:
     models: tuple[DemoModel, ...] = field(default_factory=default_models)
     preset_override: str | None = None  # e.g. "tiny" for every model (tests, slow machines)
     prometheus: bool = True  # use a real Prometheus when one is installed
+    answers: bool = True  # the real chat model answers a few questions first (demo/answers.py)
     trace_path: Path | None = None
     seed: int = 0
     ready_timeout_s: float = 180.0
