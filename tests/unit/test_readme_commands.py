@@ -8,18 +8,25 @@ Fenced blocks are tagged by what they need:
                      entry point is resolved and its arguments parsed by the real argparse parser;
 - ```bash cluster    needs a Kubernetes cluster: checked to name known tools, to name files that exist,
                      and to pass this project's own commands (also those run in its images) through
-                     the real parsers.
+                     the real parsers;
+- ```bash server     a call to the runtime serving the real chat model (```python server: the same in
+                     Python), followed by a ```json or ```text block with what it prints: run against
+                     one runtime started with the README's `batchpilot-runtime serve --checkpoint ...`
+                     flags, on a free port in place of the page's http://localhost:8080, and its output
+                     compared with the block's (a reply's id and timestamp aside).
 The README's first two commands (`make demo`, `make test`) are the long/CI entry points.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +166,69 @@ def test_cluster_commands_name_known_tools_and_files(command: str) -> None:
         image = next(a.split("=", 1)[1] for a in argv if a.startswith("--image="))
         cli = "batchpilot-runtime" if "runtime" in image else "batchpilot-operator"
         _parse_with_real_parser([cli, *argv[argv.index("--") + 1 :]])
+
+
+SERVER_TAGS = ("bash server", "python server")
+PAGE_SERVER_URL = "http://localhost:8080"
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _server_calls() -> list[Any]:
+    """Each ```bash server / ```python server block with the block after it (what it prints)."""
+    cases = []
+    for page in PAGES:
+        blocks = [(match.group(1).strip(), match.group(2)) for match in FENCE.finditer(page.read_text())]
+        for (tag, body), (shown_tag, shown) in itertools.pairwise([*blocks, ("", "")]):
+            if tag in SERVER_TAGS:
+                name = f"{page.relative_to(ROOT)}: {body.strip()[:60]}"
+                cases.append(pytest.param(tag, body, shown_tag, shown, id=name))
+    return cases
+
+
+def _real_model_serve_flags() -> list[str]:
+    for command in _page_commands(README, "bash long"):
+        argv = shlex.split(command)
+        if argv[:2] == ["batchpilot-runtime", "serve"] and "--checkpoint" in argv:
+            return argv[2:]
+    raise AssertionError("README.md shows no `batchpilot-runtime serve --checkpoint ...` command")
+
+
+def test_the_readme_calls_the_real_model_with_curl_and_the_openai_client() -> None:
+    readme_tags = [case.values[0] for case in _server_calls() if str(case.id).startswith("README.md")]
+    assert sorted(readme_tags) == ["bash server", "python server"]
+    assert "--checkpoint" in _real_model_serve_flags()
+
+
+@pytest.fixture(scope="module")
+def real_model_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The runtime as the README starts it (its flags), on free ports."""
+    from tests.integration.runtime_process import runtime_process
+
+    flags = _real_model_serve_flags()
+    name = flags[flags.index("--checkpoint") + 1]
+    with runtime_process(tmp_path_factory.mktemp("real-model"), *flags, model_name=name) as runtime:
+        yield runtime.serve_url
+
+
+def _stable(reply: dict[str, Any]) -> dict[str, Any]:
+    """A chat reply without what differs from run to run."""
+    return {key: value for key, value in reply.items() if key not in ("id", "created")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tag", "body", "shown_tag", "shown"), _server_calls())
+def test_calls_to_the_real_model_print_what_the_page_shows(
+    tag: str, body: str, shown_tag: str, shown: str, real_model_url: str
+) -> None:
+    assert shown_tag in ("json", "text"), f"a ```{tag} block must be followed by a ```json or ```text block"
+    assert PAGE_SERVER_URL in body, f"the call does not go to {PAGE_SERVER_URL}"
+    code = body.replace(PAGE_SERVER_URL, real_model_url)
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    argv = ["bash", "-euo", "pipefail", "-c", code] if tag == "bash server" else [sys.executable, "-c", code]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, f"{body}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    if shown_tag == "json":
+        assert _stable(json.loads(result.stdout)) == _stable(json.loads(shown))
+    else:
+        assert result.stdout.strip() == shown.strip()
