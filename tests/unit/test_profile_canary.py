@@ -9,7 +9,7 @@ import pytest
 
 from batchpilot_operator.api.crd import custom_resource_definition
 from batchpilot_operator.api.profile import ProfileError, parse_spec
-from batchpilot_operator.control.canary import canary_status
+from batchpilot_operator.control.facts import canary_status
 from batchpilot_operator.control.records import ProfileRecord, ProfileRef
 from tests.support.crd_validation import validate_object
 from tests.support.factories import make_manifest, make_spec_dict, make_window_dict

@@ -78,26 +78,6 @@ def wanted(spec: BatchProfileSpec | None) -> bool:
     )
 
 
-def canary_status(record: ProfileRecord) -> CanaryStatus | None:
-    """status.canary: the last canary in memory, else the one an earlier operator wrote. A canary that was
-    running then is reported rolled back: the loop put the window in force (the baseline's) on every pod,
-    past the canary's generation, when the canary pods answered it with a conflict."""
-    if record.canary.last is not None:
-        return record.canary.last
-    written = record.status.written.get("canary")
-    if not isinstance(written, Mapping):
-        return None
-    try:
-        old = CanaryStatus.model_validate(written)
-    except ValueError:
-        return None
-    if old.verdict != "running":
-        return old
-    return old.model_copy(
-        update={"verdict": "rolledBack", "reason": "the operator restarted during this canary; its pods went back"}
-    )
-
-
 def _pods_text(pods: Sequence[str]) -> str:
     return ", ".join(pods) if pods else "none"
 

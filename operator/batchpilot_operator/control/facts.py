@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from batchpilot_operator.api.canary import CanaryStatus
 from batchpilot_operator.api.profile import PodsStatus, TuningMode, WindowInForce
 from batchpilot_operator.control import conditions
-from batchpilot_operator.control.canary import canary_status
 from batchpilot_operator.control.conditions import SyncView
 from batchpilot_operator.control.records import PodRecord, ProfileRecord
 from batchpilot_operator.control.status import StatusFacts
@@ -19,6 +19,26 @@ def pods_window(record: ProfileRecord) -> Window | None:
     for state in record.sync.pod_states.values():
         return state.window
     return None
+
+
+def canary_status(record: ProfileRecord) -> CanaryStatus | None:
+    """status.canary: the last canary in memory, else the one an earlier operator wrote. A canary that was
+    running then is reported rolled back: the loop put the window in force (the baseline's) on every pod,
+    past the canary's generation, when the canary pods answered it with a conflict."""
+    if record.canary.last is not None:
+        return record.canary.last
+    written = record.status.written.get("canary")
+    if not isinstance(written, Mapping):
+        return None
+    try:
+        old = CanaryStatus.model_validate(written)
+    except ValueError:
+        return None
+    if old.verdict != "running":
+        return old
+    return old.model_copy(
+        update={"verdict": "rolledBack", "reason": "the operator restarted during this canary; its pods went back"}
+    )
 
 
 def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFacts:
