@@ -181,6 +181,15 @@ def _api_error(error: ApiException) -> KubeError:
     return KubeError(error.status or None, message[:MAX_ERROR_CHARS])
 
 
+def _json_body(response: Any) -> dict[str, Any]:
+    """The JSON object of an unread urllib3 response (``_preload_content=False``), its connection released."""
+    try:
+        body = json.loads(response.data or b"{}")
+    finally:
+        response.release_conn()
+    return body if isinstance(body, dict) else {}
+
+
 class KubeClient:
     """The operator's calls, each run in a worker thread with a total deadline of ``timeout_s``."""
 
@@ -258,9 +267,7 @@ class KubeClient:
                 "StatefulSet": self._apps.read_namespaced_stateful_set}.get(kind)  # fmt: skip
         if read is None:
             raise ValueError(f"workload kind {kind!r} is not one of {', '.join(WORKLOAD_KINDS)}")
-        response = await self._call(read, name, namespace, _preload_content=False)
-        body = json.loads(getattr(response, "data", b"") or b"{}")  # the raw urllib3 response
-        return body if isinstance(body, dict) else {}
+        return _json_body(await self._call(read, name, namespace, _preload_content=False))
 
     async def apply_container_args(
         self, namespace: str, kind: str, name: str, container: str, args: list[str]
@@ -283,8 +290,7 @@ class KubeClient:
             patch, name, namespace, body, field_manager=FIELD_MANAGER, force=True,
             _content_type="application/apply-patch+yaml", _preload_content=False,
         )  # fmt: skip
-        result = json.loads(getattr(response, "data", b"") or b"{}")
-        return result if isinstance(result, dict) else {}
+        return _json_body(response)
 
     async def create_event(
         self,
