@@ -13,6 +13,7 @@ import pytest
 from batchpilot_operator.control.controller import Controller, PodRecord, Settings
 from batchpilot_operator.io.observe import MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_operator.io.push import AdminClient
+from batchpilot_operator.io.scrape import ScrapeSource
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
 from tests.integration.fake_admin import FakeAdminServer
@@ -289,3 +290,32 @@ async def test_an_operator_restarted_mid_canary_returns_the_canary_pods_and_says
     assert not first.fields_equal(tried)
     for pod_id in PODS:  # every pod on the baseline's fields, numbered past the canary
         assert h.window(pod_id) == first and first.generation > tried.generation
+
+
+async def test_through_the_scraping_source_a_slow_canary_is_rolled_back(h: Harness) -> None:
+    """The same story with the pods' own /metrics scraped (local mode without Prometheus): the per-pod
+    figures come from the scrapes of the model-wide collection."""
+    source = ScrapeSource(rate_window_s=30.0, clock=lambda: h.now)
+    h.controller.source = source
+    try:
+        for pod_id in PODS:
+            h.fake.add_pod(pod_id, model="chat", max_hard_cap=64).latency_s = 2.0
+            url = h.fake.admin_url(pod_id)
+            pod = PodRecord("ml", f"chat-{pod_id}", {"app": "chat"}, ip="127.0.0.1", ready=True,
+                            admin_url=url, metrics_url=f"{url}/metrics", uid=f"uid-{pod_id}")  # fmt: skip
+            h.controller.upsert_pod(pod)
+        h.controller.upsert_profile("ml", "chat", canary_spec(), generation=1)
+        while "canary" not in h.sink.status.get("ml/chat", {}):  # the first scrape has no rates yet
+            await h.tick()
+            assert h.now < 1010
+        canaries, others = h.canary_ids(), [p for p in PODS if p not in h.canary_ids()]
+        tried = Window.model_validate(h.status()["canary"]["window"])
+        for pod_id in PODS:
+            h.fake.pods[pod_id].latency_s = 1.5 if pod_id in canaries else 0.3
+        await h.tick()
+    finally:
+        await source.aclose()
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "rolledBack" and "which the other pods meet" in canary["reason"]
+    for pod_id in others:
+        assert not any(w.fields_equal(tried) for w in h.seen(pod_id))
