@@ -319,3 +319,22 @@ async def test_through_the_scraping_source_a_slow_canary_is_rolled_back(h: Harne
     assert canary["verdict"] == "rolledBack" and "which the other pods meet" in canary["reason"]
     for pod_id in others:
         assert not any(w.fields_equal(tried) for w in h.seen(pod_id))
+
+
+@pytest.mark.parametrize("tuning", [{"cooldownSeconds": 0}, {"mode": "static"}])
+async def test_a_canary_the_spec_no_longer_wants_ends_and_every_pod_gets_the_window_in_force(
+    h: Harness, tuning: dict[str, Any]
+) -> None:
+    _canaries, others, tried = await start_canary(h)
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(tuning=tuning), generation=2)
+    h.source.model_latency_s = 0.3
+    for _ in range(2):
+        await h.tick()
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "rolledBack" and "switched off" in canary["reason"]
+    in_force = Window.model_validate({k: v for k, v in h.status()["window"].items() if k != "appliedAt"})
+    for pod_id in PODS:
+        assert h.window(pod_id) == in_force
+    assert in_force.generation > tried.generation and not in_force.fields_equal(tried)
+    for pod_id in others:
+        assert not any(w.fields_equal(tried) for w in h.seen(pod_id))

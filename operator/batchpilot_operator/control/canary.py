@@ -161,6 +161,16 @@ class Canaries:
         self._queue_event(record, "Normal", "CanaryStarted", f"{reason}: {_pods_text(chosen)}")
         return True
 
+    def drop_unwanted(self, record: ProfileRecord) -> None:
+        """End a canary whose spec no longer wants one (switched off, another mode or engine). The canary pods
+        are sent the window in force; holding a newer generation, they answer with a conflict, and the loop
+        numbers the window past it (as after any conflict)."""
+        run = record.canary.run
+        if run is None or wanted(record.spec):
+            return
+        record.canary.run = None
+        self._report(record, Step(run, "rolledBack", "tuning.canary was switched off, or the mode or engine changed"))
+
     def evaluate(self, record: ProfileRecord, pods: Sequence[PodRecord], now_s: float) -> Evaluation:
         """Judge the canary in progress on this tick's per-pod metrics; nothing when none runs."""
         run, spec = record.canary.run, record.spec
@@ -169,13 +179,13 @@ class Canaries:
         step = self._step(record, run, spec, pods, now_s)
         if step.state == "running":
             record.canary.run = step.run
-            self._report(record, step, now_s)
+            self._report(record, step)
             return Evaluation(
                 hold_reason=f"Holding while the canary of generation {run.window.generation} runs on "
                 f"{_pods_text(step.run.pods)}."
             )
         record.canary.run = None
-        self._report(record, step, now_s)
+        self._report(record, step)
         if step.state == "promoted":
             return Evaluation(f"Canary promoted: {step.reason}.", ended=run.window)
         record.canary.rejected = run.window
@@ -187,8 +197,6 @@ class Canaries:
         self, record: ProfileRecord, run: CanaryRun, spec: BatchProfileSpec, pods: Sequence[PodRecord], now_s: float
     ) -> Step:
         """The run after this tick: ended by what changed around it, or judged on the pods' figures."""
-        if not wanted(spec):
-            return Step(run, "rolledBack", "tuning.canary was switched off (or the mode changed) during the canary")
         if record.loop.window is None or record.loop.window.generation != run.previous.generation:
             return Step(run, "rolledBack", "the window in force changed during the canary (a new spec.window)")
         ready = {p.key for p in pods if p.ready}
@@ -215,7 +223,7 @@ class Canaries:
             rate_window_s=rate_window_s,
         )
 
-    def _report(self, record: ProfileRecord, step: Step, now_s: float) -> None:
+    def _report(self, record: ProfileRecord, step: Step) -> None:
         """status.canary, and an Event when the canary ends."""
         last = record.canary.last
         state: State = step.state
@@ -239,7 +247,7 @@ class Canaries:
     ) -> list[tuple[list[PodRecord], Window]]:
         """Which pods get which window: the canary pods the canary's while it runs, the rest ``window``."""
         run = record.canary.run
-        if run is None:
+        if run is None or not wanted(record.spec):  # a canary the spec no longer wants ends at its next decision
             return [(list(pods), window)]
         canary = [p for p in pods if p.key in run.pods]
         return [([p for p in pods if p.key not in run.pods], window), (canary, run.window)]

@@ -420,6 +420,7 @@ class Controller:
             latency_metric=latency_metric,
         )
         self._ensure_window(record)
+        self.canaries.drop_unwanted(record)
         window = record.loop.window
         if window is None:
             return
