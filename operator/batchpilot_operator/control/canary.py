@@ -5,7 +5,8 @@ The controller calls, per tick: :meth:`Canaries.collect` (per-pod latency of the
 progress, one extra query for all of them, none when no canary runs), then per due profile
 :meth:`Canaries.evaluate` before its policy (while a canary runs the policy holds: its observations mix
 both windows), :meth:`Canaries.screen` and :meth:`Canaries.start` on a changed window, and
-:meth:`Canaries.assignments` when it pushes. The rule itself is pure, in
+:meth:`Canaries.assignments` when it pushes; :meth:`Canaries.drop_unwanted` ends a canary whose spec no
+longer wants one, whatever the mode. The rule itself is pure, in
 :mod:`batchpilot_operator.tuning.canary`.
 
 Invariants: ``record.loop.window`` stays the window of the baseline pods while a canary runs (so Synced
