@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
+import kmock
 import kubernetes_validate
 import pytest
 
+from batchpilot_operator.control import restart as restart_mod
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
 from batchpilot_operator.control.status import apply_merge_patch
 from batchpilot_operator.io.kube import FIELD_MANAGER, KubeClient, KubeConfig
@@ -98,10 +100,19 @@ class Env:
     clock: Clock
     script: list[int]  # the recommended cap per interval, the last one repeated
 
-    async def tick(self) -> None:
+    async def tick(self, *, rolled_out: bool = True) -> None:
+        """One interval; by default the Deployment has rolled out its template by then (kmock runs no
+        controller: its status is set here as the Deployment controller would)."""
+        if rolled_out:
+            self.roll_out()
         self.clock.now += INTERVAL_S
         await self.controller.tick()
         await self.controller.drain_events()
+
+    def roll_out(self) -> None:
+        generation = self.workload()["metadata"]["generation"]
+        status = {"observedGeneration": generation, "replicas": 2, "updatedReplicas": 2, "availableReplicas": 2}
+        self.cluster.objects[kmock.resource(DEPLOYMENTS), "ml", "chat"]["status"] = status
 
     def workload(self) -> dict[str, Any]:
         found = self.cluster.get(DEPLOYMENTS, "ml", "chat")
@@ -320,3 +331,58 @@ async def test_a_new_operator_keeps_the_budget_from_status(env: Any) -> None:
         await e.tick()
     assert e.args()[e.args().index(CAP) + 1] == "256"
     assert e.sink.status["restart"]["count24h"] == 2
+
+
+def scripted_slo(script: list[bool | None], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SLO over (True), met (False) or unknown (None) per interval, the last one repeated."""
+
+    def slo_over(spec: Any, obs: Any) -> bool | None:
+        return script.pop(0) if len(script) > 1 else script[0]
+
+    monkeypatch.setattr(restart_mod, "slo_over", slo_over)
+
+
+async def test_no_restart_and_no_judgement_while_the_last_one_rolls_out(env: Any) -> None:
+    e: Env = await env([192, 256], stableIntervals=1, maxPerDay=4, minIntervalSeconds=600)
+    await e.tick()
+    assert e.sink.status["restart"]["count24h"] == 1
+    for _ in range(3):  # 256 is worth a restart and the budget allows one, but the rollout is not done
+        await e.tick(rolled_out=False)
+        assert e.condition("Synced")["reason"] == "RollingOut"
+    assert e.sink.status["restart"]["previousArgs"] == {CAP: 128, "--max-num-batched-tokens": 4096}
+    await e.tick()
+    assert e.args()[e.args().index(CAP) + 1] == "256"
+
+
+async def test_a_restart_that_breaks_the_slo_it_met_is_rolled_back(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    e: Env = await env([192], stableIntervals=2, maxPerDay=6, minIntervalSeconds=3600)
+    scripted_slo([False, False, True], monkeypatch)  # met at the restart, broken once it has rolled out
+    await e.tick()
+    await e.tick()
+    assert e.args()[e.args().index(CAP) + 1] == "192"
+    await e.tick()  # the first interval after the rollout: the SLO broke
+    assert e.args() == ARGS  # the args before the restart, 10 minutes later (minIntervalSeconds does not hold it)
+    (message,) = e.sink.reasons("RestartRolledBack")
+    assert "the SLO broke after the restart with --max-num-seqs 192 --max-num-batched-tokens 4096" in message
+    assert "rolled back to --max-num-seqs 128 --max-num-batched-tokens 4096" in message
+    assert e.condition("Synced")["reason"] == "RolledBack"
+    assert e.sink.status["restart"]["count24h"] == 2
+    assert "previousArgs" not in e.sink.status["restart"]
+    kubernetes_validate.validate(e.workload(), KUBERNETES_VERSION, strict=True)
+    # The same change is not tried again for a day, although the budget would allow it and it is still recommended.
+    for _ in range(30):
+        await e.tick()
+        assert e.args() == ARGS
+    assert "not tried again yet" in e.condition("Synced")["message"]
+
+
+async def test_a_restart_made_while_the_slo_was_broken_is_kept(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    e: Env = await env([192], stableIntervals=3)
+    scripted_slo([True], monkeypatch)  # broken before and after: the restart is not what broke it
+    await e.tick()  # one interval is enough while the SLO is broken
+    assert e.args()[e.args().index(CAP) + 1] == "192"
+    for _ in range(4):
+        await e.tick()
+    assert e.args()[e.args().index(CAP) + 1] == "192"
+    assert e.sink.reasons("RestartRolledBack") == []
+    assert "previousArgs" not in e.sink.status["restart"]  # judged for stableIntervals intervals, then kept

@@ -12,12 +12,16 @@ from batchpilot_operator.control.restart_plan import (
     DAY_S,
     VLLM_FLAGS,
     Budget,
+    Rejected,
     Verdict,
+    Watch,
     decide,
     in_hours,
+    judge,
     next_allowed,
     read_flags,
     rewrite_args,
+    rolled_out,
     worth,
 )
 
@@ -41,10 +45,14 @@ def verdict(
     streak: int = 2,
     trend: tuple[tuple[str, int], ...] = ((CAP, 1),),
     slo_over: bool = False,
+    rejected: Rejected | None = None,
 ) -> Verdict:
     """The verdict at noon on a workload running --max-num-seqs 128, by default for 192 held two intervals."""
     wanted = {CAP: 192} if wanted is None else wanted
-    return decide(budget, list(history), at(12), {CAP: 128}, wanted, streak=streak, trend=trend, slo_over=slo_over)
+    return decide(
+        budget, list(history), at(12), {CAP: 128}, wanted,
+        streak=streak, trend=trend, slo_over=slo_over, rejected=rejected,
+    )  # fmt: skip
 
 
 # ---- budget ---------------------------------------------------------------------------------------------
@@ -128,6 +136,51 @@ def test_the_budget_holds_a_change_worth_it() -> None:
     assert result.streak == 3  # still held: it restarts as soon as the budget allows
     outside = verdict(budget=Budget(2, HOUR, (60, 300)))
     assert not outside.restart and outside.next_allowed_s == at(25)
+
+
+# ---- after a restart ------------------------------------------------------------------------------------
+
+WATCH = Watch({CAP: 128}, {CAP: 192}, slo_met_before=True, intervals_left=2, trend=((CAP, 1),))
+
+
+@pytest.mark.parametrize(
+    ("watch", "slo_over", "outcome", "left"),
+    [
+        (WATCH, True, "rollback", None),  # met before, broken after
+        (WATCH, False, "watch", 1),
+        (WATCH, None, "watch", 1),  # no data is no verdict against it
+        (Watch({CAP: 128}, {CAP: 192}, False, 2), True, "watch", 1),  # broken before too: not the restart's doing
+        (Watch({CAP: 128}, {CAP: 192}, True, 1), False, "keep", None),
+    ],
+)
+def test_judge(watch: Watch, slo_over: bool | None, outcome: str, left: int | None) -> None:
+    result, after = judge(watch, slo_over)
+    assert result == outcome
+    assert (after.intervals_left if after is not None else None) == left
+
+
+def test_a_rolled_back_change_is_not_tried_again_for_a_day() -> None:
+    rejected = Rejected({CAP: 128}, ((CAP, 1),), until_s=at(36))
+    held = verdict(rejected=rejected)
+    assert not held.restart and "rolled back" in held.reason and held.next_allowed_s == at(36)
+    assert verdict(rejected=Rejected({CAP: 128}, ((CAP, 1),), until_s=at(11))).restart  # a day has passed
+    assert verdict(rejected=rejected, wanted={CAP: 64}, trend=((CAP, -1),)).restart  # the other way is allowed
+    assert verdict(rejected=Rejected({CAP: 96}, ((CAP, 1),), until_s=at(36))).restart  # from other args
+
+
+@pytest.mark.parametrize(
+    ("status", "generation", "done"),
+    [
+        ({"observedGeneration": 3, "updatedReplicas": 2, "availableReplicas": 2}, 3, True),
+        ({"observedGeneration": 2, "updatedReplicas": 2, "availableReplicas": 2}, 3, False),  # not seen yet
+        ({"observedGeneration": 3, "updatedReplicas": 1, "availableReplicas": 2}, 3, False),  # half rolled
+        ({"observedGeneration": 3, "updatedReplicas": 2, "readyReplicas": 2}, 3, True),  # a StatefulSet's
+        ({}, 3, False),
+    ],
+)
+def test_rolled_out(status: dict[str, int], generation: int, done: bool) -> None:
+    workload = {"metadata": {"generation": generation}, "spec": {"replicas": 2}, "status": status}
+    assert rolled_out(workload) is done
 
 
 # ---- the budget holds whatever the policy recommends ----------------------------------------------------

@@ -113,4 +113,8 @@ class RestartStatus(CamelModel):
     reverted_at: str | None = Field(
         default=None, description="When the workload's args were found without the applied flags (a GitOps sync)."
     )
+    previous_args: dict[str, int] | None = Field(
+        default=None,
+        description="While the last restart is judged: the flags before it, which a rollback would restore.",
+    )
     message: str | None = Field(default=None, description="The restart path's last word: why it waits or acted.")

@@ -27,12 +27,17 @@ from batchpilot_operator.control.restart_plan import (
     SGLANG_FLAGS,
     VLLM_FLAGS,
     Budget,
+    Rejected,
     RestartBook,
     Verdict,
+    Watch,
     decide,
+    judge,
     next_allowed,
     read_flags,
     rewrite_args,
+    rolled_out,
+    worth,
 )
 from batchpilot_operator.control.status import FALSE, TRUE, ConditionFact, StatusFacts, rfc3339
 from batchpilot_operator.tuning.moves import slo_over
@@ -201,19 +206,35 @@ class RestartPath:
         book.running = running
         self._notice_revert(record, book, now_s, ref)
         self._follow(record, spec, running)
+        if book.reverted_at is not None:
+            book.watch = None  # the args are no longer the operator's: there is no restart of its to judge
+        if book.watch is not None and not rolled_out(workload):
+            rolling = _flags_text(book.watch.applied)
+            book.synced = ConditionFact(TRUE, "RollingOut", f"{ref} rolls out {rolling}; judged once it is done")
+            return book.verdict  # no restart, and no judgement, while the last one rolls out
         if book.evaluation == record.memory.evaluations and book.verdict is not None:
             return book.verdict  # no new evaluation since the last sync (a pod turned Ready): nothing to decide
         book.evaluation = record.memory.evaluations
+        obs = record.memory.observations
+        over = slo_over(spec, obs) if obs is not None else None
+        if book.watch is not None:
+            watch = book.watch
+            outcome, book.watch = judge(watch, over)
+            if outcome == "rollback":
+                await self._rollback(record, book, now_s, ref, args, watch)
+                return book.verdict
         recommended = record.memory.recommended
         wanted = engine_flags(spec.engine, recommended) if recommended is not None else {}
-        obs = record.memory.observations
+        budget = budget_of(spec.restart)
         verdict = decide(
-            budget_of(spec.restart), book.history or [], now_s, running, wanted,
-            streak=book.streak, trend=book.trend, slo_over=obs is not None and slo_over(spec, obs) is True,
+            budget, book.history or [], now_s, running, wanted,
+            streak=book.streak, trend=book.trend, slo_over=over is True, rejected=book.rejected,
         )  # fmt: skip
         book.streak, book.trend, book.verdict = verdict.streak, verdict.trend, verdict
         if verdict.restart:
-            await self._restart(record, book, now_s, ref, args, wanted, verdict)
+            trend = tuple(sorted(worth(running, wanted, budget.min_change).items()))
+            watch = Watch(dict(running), dict(wanted), over is False, budget.stable_intervals, trend)
+            await self._restart(record, book, now_s, ref, args, wanted, verdict, watch)
         elif book.reverted_at is None:
             book.synced = ConditionFact(TRUE, "WorkloadRuns", f"{ref} runs {_flags_text(running)}; {verdict.reason}")
         return verdict
@@ -258,25 +279,56 @@ class RestartPath:
         args: Sequence[str],
         wanted: Mapping[str, int],
         verdict: Verdict,
+        watch: Watch,
     ) -> None:
-        assert record.spec is not None and record.spec.restart is not None and self.workloads is not None
-        target = record.spec.restart.workload
-        new_args = rewrite_args(args, wanted)
-        try:
-            await self.workloads.apply_container_args(
-                record.ref.namespace, target.kind, target.name, target.container, new_args
-            )
-        except Exception as error:
-            self._fail(record, book, "RestartFailed", f"{ref}: applying {_flags_text(wanted)} failed: {error}")
+        if not await self._write(record, book, now_s, ref, args, wanted, "RestartFailed"):
             return
-        book.history = [*(book.history or []), now_s]
-        book.applied = dict(wanted)
-        book.running = dict(wanted)
-        book.reverted_at = None
+        book.watch = watch
         log.info("restart %s: %s %s", record.ref.key, ref, verdict.reason)
         self.queue_event(record, "Normal", "Restarted", f"{ref} restarted with {_flags_text(wanted)}: {verdict.reason}")
         book.synced = ConditionFact(TRUE, "Restarted", f"{ref} rolls with {_flags_text(wanted)}: {verdict.reason}")
-        self._follow(record, record.spec, wanted)
+
+    async def _rollback(
+        self, record: ProfileRecord, book: RestartBook, now_s: float, ref: str, args: Sequence[str], watch: Watch
+    ) -> None:
+        """The SLO broke after a restart made while it was met: back to the args before it, now (see
+        restart_plan's docstring for why this one restart is outside minIntervalSeconds and allowedHours)."""
+        if not await self._write(record, book, now_s, ref, args, watch.previous, "RollbackFailed"):
+            return
+        book.rejected = Rejected(dict(watch.previous), watch.trend, now_s + DAY_S)
+        book.streak, book.trend = 0, ()
+        message = (f"{ref}: the SLO broke after the restart with {_flags_text(watch.applied)}, which it met before; "
+                   f"rolled back to {_flags_text(watch.previous)}, and the same change is not tried again for a day")  # fmt: skip
+        log.warning("restart %s: %s", record.ref.key, message)
+        self.queue_event(record, "Warning", "RestartRolledBack", message)
+        book.synced = ConditionFact(TRUE, "RolledBack", message)
+
+    async def _write(
+        self,
+        record: ProfileRecord,
+        book: RestartBook,
+        now_s: float,
+        ref: str,
+        args: Sequence[str],
+        flags: Mapping[str, int],
+        failure: str,
+    ) -> bool:
+        """Apply ``flags`` into the container's args and book it as a restart; False (and why) when it failed."""
+        assert record.spec is not None and record.spec.restart is not None and self.workloads is not None
+        target = record.spec.restart.workload
+        try:
+            await self.workloads.apply_container_args(
+                record.ref.namespace, target.kind, target.name, target.container, rewrite_args(args, flags)
+            )
+        except Exception as error:
+            self._fail(record, book, failure, f"{ref}: applying {_flags_text(flags)} failed: {error}")
+            return False
+        book.history = [*(book.history or []), now_s]
+        book.applied = dict(flags)
+        book.running = dict(flags)
+        book.reverted_at = None
+        self._follow(record, record.spec, flags)
+        return True
 
     @staticmethod
     def _status(
@@ -294,6 +346,7 @@ class RestartPath:
             next_allowed_at=rfc3339(allowed_at) if allowed_at is not None else None,
             history=[rfc3339(t) for t in history[-budget.max_per_day :]],
             reverted_at=rfc3339(book.reverted_at) if book.reverted_at is not None else None,
+            previous_args=book.watch.previous if book.watch is not None else None,
             message=book.synced.message if book.synced is not None else None,
         )
         return status.model_dump(by_alias=True, exclude_none=True, mode="json")

@@ -8,10 +8,17 @@ well past its hysteresis) and must persist (``stableIntervals``, 3: a recommenda
 starts over, so a flapping policy never restarts on its own). While the SLO is broken the tail is already
 being paid for, so one interval is enough. The budget bounds all of it, whatever the policy does: at most
 ``maxPerDay`` restarts in any 24 hours, ``minIntervalSeconds`` apart, starting only inside ``allowedHours``.
+
+After a restart, once the workload has rolled out, its SLO is watched for ``stableIntervals`` intervals: a
+restart made while the SLO was met that breaks it is rolled back to the args before it (:func:`judge`).
+The rollback is the one restart outside minIntervalSeconds and allowedHours (it restores a known state, and
+waiting would keep the SLO broken); there is at most one per restart, so at most 2 x maxPerDay a day, and
+the change rolled back is not tried again for a day.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +55,27 @@ class Verdict:
     trend: tuple[tuple[str, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class Watch:
+    """A restart under judgement: the flags before and after it, whether the SLO was met when it was made,
+    and how many rolled-out intervals are left to judge."""
+
+    previous: dict[str, int]
+    applied: dict[str, int]
+    slo_met_before: bool
+    intervals_left: int
+    trend: tuple[tuple[str, int], ...] = ()  # the restart's moves, as decide() saw them
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A change rolled back: the same move from the same args is not tried again before ``until_s``."""
+
+    running: dict[str, int]
+    trend: tuple[tuple[str, int], ...]
+    until_s: float
+
+
 @dataclass
 class RestartBook:
     """What the restart path keeps of a profile between ticks (control/restart.py writes it)."""
@@ -62,6 +90,8 @@ class RestartBook:
     status: dict[str, Any] | None = None  # status.restart as written next
     evaluation: int = -1  # the profile's evaluation count the last verdict was for
     verdict: Verdict | None = None
+    watch: Watch | None = None  # the last restart, while its SLO is judged
+    rejected: Rejected | None = None  # the last change rolled back
 
 
 def in_hours(hours: tuple[int, int] | None, now_s: float) -> bool:
@@ -127,8 +157,10 @@ def decide(
     streak: int,
     trend: tuple[tuple[str, int], ...],
     slo_over: bool,
+    rejected: Rejected | None = None,
 ) -> Verdict:
-    """Restart now or not: the change must be worth it, held long enough (or the SLO broken), and allowed."""
+    """Restart now or not: the change must be worth it, held long enough (or the SLO broken), allowed, and not
+    the one just rolled back."""
     allowed_at = next_allowed(budget, history, now_s)
     moves = worth(running, wanted, budget.min_change)
     if not moves:
@@ -136,6 +168,10 @@ def decide(
     new_trend = tuple(sorted(moves.items()))
     held = streak + 1 if new_trend == trend else 1
     change = _describe(running, {flag: wanted[flag] for flag in moves})
+    if _is_rejected(rejected, now_s, running, new_trend):
+        assert rejected is not None
+        reason = f"{change}: the same change was rolled back after it broke the SLO; not tried again yet"
+        return Verdict(False, reason, max(allowed_at, rejected.until_s))
     if held < budget.stable_intervals and not slo_over:
         reason = f"{change}: held {held} of {budget.stable_intervals} intervals before a restart"
         return Verdict(False, reason, allowed_at, held, new_trend)
@@ -145,6 +181,36 @@ def decide(
         )
     why = "the SLO is broken" if slo_over and held < budget.stable_intervals else f"held {held} intervals"
     return Verdict(True, f"{change} ({why})", allowed_at, 0, ())
+
+
+def _is_rejected(
+    rejected: Rejected | None, now_s: float, running: Mapping[str, int], trend: tuple[tuple[str, int], ...]
+) -> bool:
+    return (
+        rejected is not None and now_s < rejected.until_s and dict(running) == rejected.running
+        and trend == rejected.trend
+    )  # fmt: skip
+
+
+def judge(watch: Watch, slo_over: bool | None) -> tuple[str, Watch | None]:
+    """One rolled-out interval after a restart: ``rollback`` when the SLO, met when the restart was made, is
+    broken now; else ``watch`` (the watch, one interval shorter) or, once none is left, ``keep``."""
+    if slo_over is True and watch.slo_met_before:
+        return "rollback", None
+    left = watch.intervals_left - 1
+    return ("keep", None) if left <= 0 else ("watch", dataclasses.replace(watch, intervals_left=left))
+
+
+def rolled_out(workload: Mapping[str, Any]) -> bool:
+    """Whether the workload's controller has rolled its current template out to every replica (Deployment and
+    StatefulSet status alike); a workload without status has not."""
+    meta, spec, status = (workload.get(k) or {} for k in ("metadata", "spec", "status"))
+    generation, observed = meta.get("generation"), status.get("observedGeneration")
+    if not isinstance(generation, int) or not isinstance(observed, int) or observed < generation:
+        return False
+    replicas = spec.get("replicas", 1)
+    available = status.get("availableReplicas", status.get("readyReplicas", 0))
+    return bool(status.get("updatedReplicas", 0) >= replicas and available >= replicas)
 
 
 # ---- container args -----------------------------------------------------------------------------------
