@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot_operator.api.profile import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT, BatchProfileSpec
+from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.api.status import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT
 from batchpilot_operator.tuning.policy import PolicyState
 from batchpilot_operator.tuning.policy_memo import SCHEMA_VERSION, carry_over, restore, to_status
 from tests.support import factories

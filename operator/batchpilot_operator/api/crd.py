@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel
 
 from batchpilot_operator import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from batchpilot_operator.api.profile import BatchProfileSpec, BatchProfileStatus
+from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.api.status import BatchProfileStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 

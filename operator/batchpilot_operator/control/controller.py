@@ -46,13 +46,13 @@ from typing import Any
 
 from batchpilot_operator.api.profile import (
     BatchProfileSpec,
-    Decision,
     EngineKind,
     Friendliness,
     ProfileError,
     TuningMode,
     parse_spec,
 )
+from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control import conditions
 from batchpilot_operator.control.canary import Canaries, metrics_url
 from batchpilot_operator.control.events import Events

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from batchpilot_operator.api.canary import CanaryStatus
-from batchpilot_operator.api.profile import PodsStatus, TuningMode, WindowInForce
+from batchpilot_operator.api.profile import TuningMode
+from batchpilot_operator.api.status import PodsStatus, WindowInForce
 from batchpilot_operator.control import conditions
 from batchpilot_operator.control.conditions import SyncView
 from batchpilot_operator.control.records import PodRecord, ProfileRecord

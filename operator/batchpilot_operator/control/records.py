@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchpilot_operator.api.canary import CanaryStatus
-from batchpilot_operator.api.profile import BatchProfileSpec, Decision
+from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
 from batchpilot_operator.control.status import ConditionFact
 from batchpilot_operator.io.observe import ModelKey, ModelMetrics

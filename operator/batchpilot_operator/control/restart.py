@@ -17,8 +17,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, PodsStatus, TuningMode
+from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, TuningMode
 from batchpilot_operator.api.restart import RestartBudget, RestartStatus
+from batchpilot_operator.api.status import PodsStatus
 from batchpilot_operator.control.conditions import ready_fact
 from batchpilot_operator.control.engine_knobs import sglang_server_args, vllm_args
 from batchpilot_operator.control.records import ProfileRecord

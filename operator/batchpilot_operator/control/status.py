@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchpilot_operator.api.canary import CanaryStatus
-from batchpilot_operator.api.profile import (
+from batchpilot_operator.api.profile import TuningMode
+from batchpilot_operator.api.status import (
     BatchProfileStatus,
     Condition,
     Decision,
@@ -24,7 +25,6 @@ from batchpilot_operator.api.profile import (
     Observed,
     PodsStatus,
     PolicyMemory,
-    TuningMode,
     WindowInForce,
 )
 from batchpilot_runtime.contract.window import Window

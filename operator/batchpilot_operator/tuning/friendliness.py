@@ -16,7 +16,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from batchpilot_operator.api.profile import Friendliness, FriendlinessPoint, FriendlinessStatus
+from batchpilot_operator.api.profile import Friendliness
+from batchpilot_operator.api.status import FriendlinessPoint, FriendlinessStatus
 
 # A doubling of the batch that raises throughput by less than this is "not worth it".
 KNEE_GAIN_PER_DOUBLING = 1.15

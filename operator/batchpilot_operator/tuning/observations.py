@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from batchpilot_operator.api.profile import Observed
+from batchpilot_operator.api.status import Observed
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 
 NAN = math.nan

@@ -33,14 +33,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from batchpilot_operator.api.profile import (
-    POLICY_CURVE_LIMIT,
-    POLICY_STREAK_LIMIT,
-    BatchProfileSpec,
-    PolicyMemory,
-    StepTimePoint,
-    format_validation_error,
-)
+from batchpilot_operator.api.profile import BatchProfileSpec, format_validation_error
+from batchpilot_operator.api.status import POLICY_CURVE_LIMIT, POLICY_STREAK_LIMIT, PolicyMemory, StepTimePoint
 from batchpilot_operator.tuning.policy import PolicyState
 from batchpilot_runtime.contract.window import MAX_BATCH_SIZE, MAX_PREFILL_TOKENS_LIMIT
 
