@@ -10,13 +10,12 @@ import pytest
 from batchpilot_operator.api.profile import LatencyMetric, parse_spec
 from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, to_observations
 from batchpilot_operator.sim.controllers import AdaptiveController
+from batchpilot_operator.sim.intervals import Interval, interval_metrics
 from batchpilot_operator.sim.metrics import exact_quantile, summarize
 from batchpilot_operator.sim.simulator import (
     GAP_BIN_S,
     SimConfig,
     Simulator,
-    _Interval,
-    interval_metrics,
     scheduler_config_for,
 )
 from batchpilot_operator.tuning.observations import Observations
@@ -87,7 +86,7 @@ def test_a_preempted_sequence_gap_includes_its_stall() -> None:
 def test_the_simulator_builds_observations_through_the_live_builder() -> None:
     """The same counters fed through the live sources' builder and through the simulator's give the
     same observations, field by field."""
-    interval = _Interval()
+    interval = Interval()
     interval.latency_buckets[10] = 30
     interval.latency_buckets[40] = 2
     interval.itl_buckets[5] = 900
@@ -104,7 +103,7 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
     interval.prefill_tokens = 20_000
     sched = Scheduler(SchedulerConfig(num_kv_blocks=64), Window(target_batch_size=1, hard_cap=4, max_wait_ms=0))
     window_s = 20.0
-    simulated = to_observations(interval_metrics([interval, _Interval()], 10.0, LatencyMetric.TTFT, sched), "ttft", 7.0)
+    simulated = to_observations(interval_metrics([interval, Interval()], 10.0, LatencyMetric.TTFT, sched), "ttft", 7.0)
 
     live = MetricsBuilder(window_s)
     key = ("", "m")

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import INTER_TOKEN, HistogramWindow, ModelMetrics, to_observations
+from batchpilot_operator.io.observe import to_observations
+from batchpilot_operator.sim.intervals import Interval, interval_metrics
 from batchpilot_operator.tuning.observations import NAN, Observations
-from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, batch_bucket
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
 from batchpilot_runtime.replay.trace import TraceRequest
@@ -40,13 +41,10 @@ from batchpilot_runtime.scheduling.types import (
     SchedRequest,
     ScheduledSeq,
     SchedulerConfig,
-    StepStats,
 )
 
 # The token every simulated step "samples": never a stop token, so requests end by length.
 SYNTHETIC_TOKEN = 7
-_NUM_BUCKETS = len(LATENCY_BUCKETS_S) + 1
-_CUMULATIVE_BOUNDS = (*LATENCY_BUCKETS_S, math.inf)
 # Exact inter-token quantiles over a whole run come from a fine histogram (0.1 ms bins up to 60 s):
 # millions of gaps, no list of them.
 GAP_BIN_S = 1e-4
@@ -187,52 +185,6 @@ class RequestRecord:
         return self.ttft_s
 
 
-@dataclass
-class _Interval:
-    """Counters of one controller interval (the simulator's scrape)."""
-
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
-    itl_buckets: list[int] = field(default_factory=lambda: [0] * _NUM_BUCKETS)
-    arrivals: int = 0
-    generated_tokens: int = 0
-    decode_steps: int = 0
-    decode_seqs: int = 0
-    admissions: dict[str, int] = field(default_factory=dict)
-    admitted_requests: int = 0
-    tail_marked: int = 0
-    preempted: int = 0
-    step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [sum_s, count]
-    prefill_step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # the same, prefill steps
-    prefill_tokens: int = 0
-
-    def add_step(self, stats: StepStats, step_s: float) -> None:
-        """Counts one engine step's plan statistics and its duration, by phase as the runtime's
-        exporter does (a step that prefills anything is a prefill step)."""
-        for reason, count in stats.admissions.items():
-            self.admissions[reason] = self.admissions.get(reason, 0) + count
-        self.admitted_requests += stats.admitted_requests
-        self.tail_marked += stats.tail_marked
-        self.preempted += stats.preempted
-        if stats.num_decode_seqs:
-            self.decode_steps += 1
-            self.decode_seqs += stats.num_decode_seqs
-        if stats.num_prefill_seqs:
-            self.prefill_tokens += stats.num_prefill_tokens
-            _add_step_time(self.prefill_step_s_by_bucket, stats.batch_size, step_s)
-        elif stats.num_decode_seqs:
-            _add_step_time(self.step_s_by_bucket, stats.batch_size, step_s)
-
-
-def _add_step_time(by_bucket: dict[int, list[float]], batch_size: int, step_s: float) -> None:
-    bucket = int(batch_bucket(batch_size))
-    acc = by_bucket.get(bucket)
-    if acc is None:
-        by_bucket[bucket] = [step_s, 1.0]
-    else:
-        acc[0] += step_s
-        acc[1] += 1.0
-
-
 @dataclass(frozen=True)
 class TimelinePoint:
     t_s: float
@@ -356,7 +308,7 @@ class Simulator:
         )
 
     @staticmethod
-    def _observations(recent: Sequence[_Interval], cfg: SimConfig, sched: Scheduler, now_s: float) -> Observations:
+    def _observations(recent: Sequence[Interval], cfg: SimConfig, sched: Scheduler, now_s: float) -> Observations:
         """What the operator's queries would return over the last rate window: the simulator's
         counters as the live sources' :class:`ModelMetrics`, through the same builder."""
         return to_observations(
@@ -411,7 +363,7 @@ class _Tally:
     """A run's per-request accounting: admission and token times, the latency metric's
     observations against the SLO, inter-token gaps, and the misses of both."""
 
-    def __init__(self, records: list[RequestRecord], cfg: SimConfig, current: _Interval) -> None:
+    def __init__(self, records: list[RequestRecord], cfg: SimConfig, current: Interval) -> None:
         self.records = records
         self.metric = cfg.latency_metric
         self.slo_s = cfg.slo_p99_s
@@ -476,7 +428,7 @@ class _Ticks:
         self.controller = controller
         self.window = window
         self.progress = progress
-        self.intervals: list[_Interval] = [_Interval()]
+        self.intervals: list[Interval] = [Interval()]
         self.current = self.intervals[0]
         self.window_len = max(1, math.ceil(cfg.rate_window_s / cfg.interval_s - 1e-9))
         self.timeline: list[TimelinePoint] = []
@@ -504,7 +456,7 @@ class _Ticks:
                 changed = True
         if cfg.record_timeline:
             self.timeline.append(self._point(tick_s, obs, sched, changed))
-        self.current = _Interval()
+        self.current = Interval()
         self.intervals.append(self.current)
         if len(self.intervals) > self.window_len + 1:
             del self.intervals[0]
@@ -541,68 +493,3 @@ def itl_budget_rule(cost: CostModel, itl_target_s: float) -> Callable[[int, int]
         return math.inf if per_token_s <= 0 else max(0.0, left_s / per_token_s)
 
     return rule
-
-
-def interval_metrics(
-    recent: Sequence[_Interval], interval_s: float, latency_metric: LatencyMetric, sched: Scheduler
-) -> ModelMetrics:
-    """The counters of the last intervals as rates per second, as Prometheus' ``rate()`` gives them."""
-    window_s = len(recent) * interval_s
-    latency = [0] * _NUM_BUCKETS
-    itl = [0] * _NUM_BUCKETS
-    arrivals = tokens = decode_steps = decode_seqs = marked = preempted = 0
-    admissions: dict[str, int] = {}
-    step_acc: dict[int, list[float]] = {}
-    prefill_acc: dict[int, list[float]] = {}
-    prefill_tokens = 0
-    for interval in recent:
-        for i, c in enumerate(interval.latency_buckets):
-            if c:
-                latency[i] += c
-        for i, c in enumerate(interval.itl_buckets):
-            if c:
-                itl[i] += c
-        arrivals += interval.arrivals
-        tokens += interval.generated_tokens
-        decode_steps += interval.decode_steps
-        decode_seqs += interval.decode_seqs
-        marked += interval.tail_marked
-        preempted += interval.preempted
-        for reason, count in interval.admissions.items():
-            admissions[reason] = admissions.get(reason, 0) + count
-        prefill_tokens += interval.prefill_tokens
-        for into, by_bucket in (
-            (step_acc, interval.step_s_by_bucket),
-            (prefill_acc, interval.prefill_step_s_by_bucket),
-        ):
-            for bucket, (sum_s, count_f) in by_bucket.items():
-                acc = into.setdefault(bucket, [0.0, 0.0])
-                acc[0] += sum_s
-                acc[1] += count_f
-
-    def histogram(counts: list[int]) -> HistogramWindow:
-        cumulative: list[float] = []
-        running = 0
-        for count in counts:
-            running += count
-            cumulative.append(running / window_s)
-        return HistogramWindow(_CUMULATIVE_BOUNDS, tuple(cumulative))
-
-    return ModelMetrics(
-        window_s=window_s,
-        latency={str(latency_metric): histogram(latency), INTER_TOKEN: histogram(itl)},
-        requests_per_s=arrivals / window_s,
-        generated_tokens_per_s=tokens / window_s,
-        admissions_per_s={reason: count / window_s for reason, count in admissions.items()},
-        tail_marked_per_s=marked / window_s,
-        preemptions_per_s=preempted / window_s,
-        decode_batch_sum_per_s=decode_seqs / window_s,
-        decode_batch_count_per_s=decode_steps / window_s,
-        step_seconds_by_bucket={b: (s / window_s, c / window_s) for b, (s, c) in step_acc.items()},
-        prefill_step_seconds_by_bucket={b: (s / window_s, c / window_s) for b, (s, c) in prefill_acc.items()},
-        prefill_tokens_per_s=prefill_tokens / window_s,
-        queue_depth=float(sched.num_waiting),
-        running=float(sched.num_running),
-        kv_usage_max=sched.kv_usage_ratio,
-        pods_reporting=1,
-    )
