@@ -67,6 +67,7 @@ from batchpilot_operator.control.records import (
     Sink,
     TickReport,
     lanes_of,
+    numbered,
     window_from_status,
 )
 from batchpilot_operator.control.registry import Registry
@@ -249,7 +250,7 @@ class Controller:
     @staticmethod
     def _number(record: ProfileRecord, window: Window, *, past: int | None) -> Window:
         """Put ``window`` in force, numbered one past generation ``past`` (1 when there is none)."""
-        record.loop.window = window.with_generation((past or 0) + 1)
+        record.loop.window = numbered(window, past=past)
         return record.loop.window
 
     def _ensure_window(self, record: ProfileRecord) -> None:
@@ -468,8 +469,9 @@ class Controller:
         )
         record.memory.policy_state = decision.state
         if decision.changed:
-            if not self.canaries.start(record, decision.window, pods, now_s):
-                record.loop.window = decision.window  # numbered by the policy: one past the window it was given
+            proposed = numbered(decision.window, past=window.generation)
+            if not self.canaries.start(record, proposed, pods, now_s):
+                record.loop.window = proposed
             record.loop.push_pending = True
             report.changed += 1
         return decision

@@ -20,6 +20,12 @@ from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState
 from batchpilot_runtime.contract.window import Window
 
 
+def numbered(window: Window, *, past: int | None) -> Window:
+    """``window`` numbered one past generation ``past`` (1 when there is none). The control loop numbers
+    every window it puts in force (or tries on a canary); the policy never does."""
+    return window.with_generation((past or 0) + 1)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Operator settings. ``interval_override_s`` replaces every profile's intervalSeconds (tests use

@@ -22,7 +22,7 @@ from batchpilot_operator.api.restart import RestartBudget, RestartStatus
 from batchpilot_operator.api.status import PodsStatus
 from batchpilot_operator.control.conditions import ready_fact
 from batchpilot_operator.control.engine_knobs import sglang_server_args, vllm_args
-from batchpilot_operator.control.records import ProfileRecord
+from batchpilot_operator.control.records import ProfileRecord, numbered
 from batchpilot_operator.control.restart_plan import (
     DAY_S,
     SGLANG_FLAGS,
@@ -269,7 +269,7 @@ class RestartPath:
         window = running_window(spec, running, spec.engine)
         current = record.loop.window
         if window is not None and (current is None or not current.fields_equal(window)):
-            record.loop.window = window.with_generation((current.generation if current else 0) + 1)
+            record.loop.window = numbered(window, past=current.generation if current else None)
 
     async def _restart(
         self,

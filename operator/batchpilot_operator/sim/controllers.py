@@ -75,5 +75,5 @@ class AimdController:
         if batch == window.hard_cap and batch == window.target_batch_size:
             return None
         return window.model_copy(
-            update={"target_batch_size": batch, "hard_cap": batch, "generation": window.generation + 1}
+            update={"target_batch_size": batch, "hard_cap": batch}
         )

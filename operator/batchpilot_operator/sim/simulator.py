@@ -450,8 +450,9 @@ class _Ticks:
         if self.controller is not None:
             proposal = self.controller.on_interval(tick_s, obs, self.window)
             if proposal is not None and not proposal.fields_equal(self.window):
-                self.window = proposal
-                sched.set_window(proposal)
+                # The loop numbers what it puts in force, as the operator's controller does.
+                self.window = proposal.with_generation(self.window.generation + 1)
+                sched.set_window(self.window)
                 self.changes += 1
                 changed = True
         if cfg.record_timeline:

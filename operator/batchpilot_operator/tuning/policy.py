@@ -210,7 +210,7 @@ def decide(
 
     # 2. Bounds win over everything, including the cooldown.
     if bounds.fields_outside(window) or window.target_batch_size > window.hard_cap:
-        clamped = clamp_into_bounds(window, bounds).with_generation(window.generation + 1)
+        clamped = clamp_into_bounds(window, bounds)
         state = replace(state, last_change_s=now_s, headroom_streak=0)
         return Decision(clamped, "reset", reasons.reset(window), state, estimate)
 
@@ -334,7 +334,7 @@ def _window(window: Window, fields: Fields) -> Window:
         max_wait_ms=wait,
         tail_mark_ratio=tail,
         max_prefill_tokens=budget,
-        generation=window.generation + 1,
+        generation=window.generation,  # numbering a window put in force is the control loop's
     )
 
 
