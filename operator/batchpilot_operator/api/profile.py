@@ -57,6 +57,11 @@ class TuningMode(StrEnum):
     RESTART = "restart"  # restart-only engines: patch the workload's args within spec.restart's budget
 
 
+# Modes whose window in force is not the policy's: it only recommends (and in restart mode, the restart
+# path applies the recommendation when the budget allows).
+RECOMMENDING = (TuningMode.RECOMMEND, TuningMode.RESTART)
+
+
 class EngineKind(StrEnum):
     """The serving engine of a profile's pods: whose metric names the operator reads, and how a window
     reaches the engine (live through an admin API, or only by a restart with new flags)."""

@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from batchpilot_operator.api.profile import (
+    RECOMMENDING,
     BatchProfileSpec,
     EngineKind,
     Friendliness,
@@ -52,11 +53,9 @@ from batchpilot_operator.api.profile import (
     TuningMode,
     parse_spec,
 )
-from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control import conditions
 from batchpilot_operator.control.canary import Canaries, metrics_url
-from batchpilot_operator.control.events import Events
-from batchpilot_operator.control.export import export_profile
+from batchpilot_operator.control.events import Events, announce
 from batchpilot_operator.control.facts import pods_window, status_facts
 from batchpilot_operator.control.records import (
     MetricsSource,
@@ -71,17 +70,14 @@ from batchpilot_operator.control.records import (
     window_from_status,
 )
 from batchpilot_operator.control.registry import Registry
-from batchpilot_operator.control.restart import RECOMMENDING, RestartPath, Workloads
+from batchpilot_operator.control.restart import RestartPath, Workloads
 from batchpilot_operator.control.sglang_sync import SGLangSync
 from batchpilot_operator.control.status import (
     UNKNOWN,
     ConditionFact,
     StatusFacts,
-    build_status,
-    merge_patch,
-    rfc3339,
 )
-from batchpilot_operator.control.status import apply_merge_patch as apply_patch
+from batchpilot_operator.control.status_writer import StatusWriter
 from batchpilot_operator.control.syncer import Syncer, newest_conflict
 from batchpilot_operator.io.observe import MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.io.opmetrics import OperatorMetrics
@@ -127,6 +123,7 @@ class Controller:
         self.sglang = SGLangSync(sglang or SGLangClient(timeout_s=admin.timeout_s))
         self.restart = RestartPath(workloads, self._queue_event)  # tuning.mode restart (control/restart.py)
         self.canaries = Canaries(self._queue_event)
+        self.status_writer = StatusWriter(sink, self.metrics, self.facts, self.restart.status_of, self._queue_event)
         self.last_tick_started_s: float | None = None
         self.last_tick_finished_s: float | None = None
         self.ticks = 0
@@ -438,7 +435,7 @@ class Controller:
             decision = self._decide_adaptive(record, spec, window, obs, now_s, report)
         if decision.friendliness is not None and spec.batch_friendliness == Friendliness.AUTO:
             record.memory.friendliness = decision.friendliness.to_status()
-        self._announce(record, spec, decision, now_s)
+        announce(record, spec, decision, now_s, self.metrics, self.on_decision, self._queue_event)
 
     def _decide_adaptive(
         self,
@@ -475,38 +472,6 @@ class Controller:
             record.loop.push_pending = True
             report.changed += 1
         return decision
-
-    def _announce(
-        self, record: ProfileRecord, spec: BatchProfileSpec, decision: policy_mod.Decision, now_s: float
-    ) -> None:
-        """Record a decision in status, metrics, the log, ``on_decision`` and (when it is news) an Event."""
-        direction: str = decision.direction
-        if spec.mode in RECOMMENDING and decision.changed:
-            direction = "recommend"
-        previous = record.memory.last_decision
-        if previous is None or (previous.direction, previous.reason) != (direction, decision.reason):
-            # The same hold repeated is not news: keeping its first time keeps the status unchanged (no patch).
-            record.memory.last_decision = Decision(time=rfc3339(now_s), direction=direction, reason=decision.reason)
-        self.metrics.decisions.labels(record.ref.namespace, record.ref.name, spec.model, direction).inc()
-        log.log(
-            logging.INFO if direction != "hold" else logging.DEBUG,
-            "decision %s: %s %s: %s",
-            record.ref.key,
-            direction,
-            decision.window.describe(),
-            decision.reason,
-        )
-        if self.on_decision is not None:
-            self.on_decision(record, decision)
-        if decision.changed or direction == "recommend" or decision.reason != record.memory.last_reason:
-            # Holds that repeat the same reason are not re-posted: one Event per new reason, one per change.
-            message = decision.reason
-            if decision.changed and spec.mode not in RECOMMENDING:
-                message = f"{decision.window.describe()}: {decision.reason}"
-            elif direction == "recommend":
-                message = f"recommend {decision.window.describe()}: {decision.reason}"
-            self._queue_event(record, "Normal", f"Decision{direction.capitalize()}", message)
-        record.memory.last_reason = decision.reason
 
     # ---- pushes -------------------------------------------------------------------------------------
 
@@ -587,56 +552,7 @@ class Controller:
     async def _write_statuses(
         self, records: Sequence[ProfileRecord], now_s: float, report: TickReport, only: tuple[str, ...] | None = None
     ) -> None:
-        """Write every profile's status (or only the fields ``only`` names) concurrently; one that cannot be
-        built is logged and skipped."""
-        await asyncio.gather(*(self._write_status_isolated(r, now_s, report, only) for r in records))
-
-    async def _write_status_isolated(
-        self, record: ProfileRecord, now_s: float, report: TickReport, only: tuple[str, ...] | None = None
-    ) -> None:
-        try:
-            await self._write_status(record, now_s, report, only)
-        except Exception:  # a bug in one profile's status: the others are still written
-            log.exception("status of %s could not be built", record.ref.key)
-            report.status_failures += 1
-
-    async def _write_status(
-        self, record: ProfileRecord, now_s: float, report: TickReport, only: tuple[str, ...] | None = None
-    ) -> None:
-        now_iso = rfc3339(now_s)
-        facts = self.facts(record)
-        if record.spec is None and record.status.invalid_reported_generation != record.generation:
-            record.status.invalid_reported_generation = record.generation
-            self._queue_event(record, "Warning", "InvalidSpec", record.error or "invalid spec")
-        new_status = build_status(facts, record.status.written, now_iso)
-        restart_status = self.restart.status_of(record)
-        if restart_status is not None:
-            new_status["restart"] = restart_status
-        old_window = record.status.written.get("window")
-        if (
-            facts.window is not None
-            and isinstance(old_window, Mapping)
-            and old_window.get("generation") == (facts.window.generation)
-        ):
-            new_status["window"]["appliedAt"] = old_window.get("appliedAt") or now_iso
-        elif "window" in new_status:
-            new_status["window"]["appliedAt"] = now_iso
-        written = record.status.written
-        if only is not None:
-            new_status = {k: v for k, v in new_status.items() if k in only}
-            written = {k: v for k, v in written.items() if k in only}
-        patch = merge_patch(written, new_status)
-        export_profile(self.metrics, record, facts)
-        if not patch:
-            return
-        try:
-            await self.sink.patch_status(record.ref, patch)
-        except Exception as error:
-            report.status_failures += 1
-            log.warning("status patch of %s failed (retried next tick): %s", record.ref.key, error)
-            return
-        report.status_patches += 1
-        record.status.written = apply_patch(record.status.written, patch)
+        await self.status_writer.write(records, now_s, report, only)
 
 
 __all__ = [

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
+from batchpilot_operator.api.profile import RECOMMENDING, BatchProfileSpec
+from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control.records import ProfileRecord, ProfileRef, Sink
+from batchpilot_operator.control.status import rfc3339
+from batchpilot_operator.io.opmetrics import OperatorMetrics
+from batchpilot_operator.tuning import policy as policy_mod
 
 log = logging.getLogger("batchpilot.operator")
 
@@ -49,3 +55,42 @@ class Events:
             task.cancel()
         if late:
             await asyncio.gather(*late, return_exceptions=True)
+
+
+def announce(
+    record: ProfileRecord,
+    spec: BatchProfileSpec,
+    decision: policy_mod.Decision,
+    now_s: float,
+    metrics: OperatorMetrics,
+    on_decision: Callable[[ProfileRecord, policy_mod.Decision], None] | None,
+    queue_event: Callable[[ProfileRecord, str, str, str], None],
+) -> None:
+    """Record a decision in status, metrics, the log, ``on_decision`` and (when it is news) an Event."""
+    direction: str = decision.direction
+    if spec.mode in RECOMMENDING and decision.changed:
+        direction = "recommend"
+    previous = record.memory.last_decision
+    if previous is None or (previous.direction, previous.reason) != (direction, decision.reason):
+        # The same hold repeated is not news: keeping its first time keeps the status unchanged (no patch).
+        record.memory.last_decision = Decision(time=rfc3339(now_s), direction=direction, reason=decision.reason)
+    metrics.decisions.labels(record.ref.namespace, record.ref.name, spec.model, direction).inc()
+    log.log(
+        logging.INFO if direction != "hold" else logging.DEBUG,
+        "decision %s: %s %s: %s",
+        record.ref.key,
+        direction,
+        decision.window.describe(),
+        decision.reason,
+    )
+    if on_decision is not None:
+        on_decision(record, decision)
+    if decision.changed or direction == "recommend" or decision.reason != record.memory.last_reason:
+        # Holds that repeat the same reason are not re-posted: one Event per new reason, one per change.
+        message = decision.reason
+        if decision.changed and spec.mode not in RECOMMENDING:
+            message = f"{decision.window.describe()}: {decision.reason}"
+        elif direction == "recommend":
+            message = f"recommend {decision.window.describe()}: {decision.reason}"
+        queue_event(record, "Normal", f"Decision{direction.capitalize()}", message)
+    record.memory.last_reason = decision.reason

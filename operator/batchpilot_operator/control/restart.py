@@ -46,10 +46,6 @@ from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
 
-# Modes whose window in force is not the policy's: it only recommends (and in restart mode, the restart
-# path applies the recommendation when the budget allows).
-RECOMMENDING = (TuningMode.RECOMMEND, TuningMode.RESTART)
-
 QueueEvent = Callable[[ProfileRecord, str, str, str], None]
 
 
