@@ -74,6 +74,4 @@ class AimdController:
         batch = max(lo, min(hi, batch))
         if batch == window.hard_cap and batch == window.target_batch_size:
             return None
-        return window.model_copy(
-            update={"target_batch_size": batch, "hard_cap": batch}
-        )
+        return window.model_copy(update={"target_batch_size": batch, "hard_cap": batch})
