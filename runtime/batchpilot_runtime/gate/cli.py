@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchpilot_runtime.cli.args import add_env_flag, env_name, port_number, positive_int
+from batchpilot_runtime.cli.args import add_env_flag, add_lane_flag, add_listen_flags, env_name, positive_int
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT, LaneWindow
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.gate.admission import GateLimits
@@ -92,27 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         window, "--max-queue", default=1024, type=positive_int, help="waiting requests before new ones get 429"
     )
-    lanes_default = os.environ.get(env_name("--lane"))
-    window.add_argument(
-        "--lane",
-        action="append",
-        metavar="NAME:target=N,cap=N,wait=MS[,tail=R][,reserved=N]",
-        default=[s for s in (lanes_default or "").split(";") if s.strip()],
-        help=f"a priority lane with its own window (repeatable) [env {env_name('--lane')}, ';'-separated]",
-    )
-    net = parser.add_argument_group("network")
-    add_env_flag(net, "--host", default="127.0.0.1", help="address both ports bind (0.0.0.0 in a container)")
-    add_env_flag(net, "--port", default=DEFAULT_SERVE_PORT, type=port_number, help="serving port: /v1, /metrics")
-    add_env_flag(net, "--admin-port", default=DEFAULT_ADMIN_PORT, type=port_number, help="admin port: /admin/window")
-    add_env_flag(
-        net,
-        "--admin-token-file",
-        type=Path,
-        help="file holding the admin bearer token; without it a random token is written to a new private "
-        "temporary directory and its path is logged",
-    )
-    add_env_flag(net, "--ready-file", type=Path, help="write a JSON file with the pid, URLs and token file once ready")
-    add_env_flag(net, "--drain-timeout-s", default=600.0, type=float, help="longest SIGTERM drain before forcing exit")
+    add_lane_flag(window)
+    net = add_listen_flags(parser, serving="/v1, /metrics")
     add_env_flag(net, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return parser
 
