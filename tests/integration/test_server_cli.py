@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_runtime.cli.main import build_parser, main
 from batchpilot_runtime.cli.args import env_name
+from batchpilot_runtime.cli.main import build_parser, main
 from batchpilot_runtime.cli.serve import config_from_args
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.server.config import parse_lane
