@@ -178,14 +178,14 @@ def servegen_day(minutes: float, mean_rate_per_s: float, seed: int = 0) -> tuple
     p50s = []
     for quarter in range(4):
         start_s = quarter * 6 * 3600.0 + 3 * 3600.0
-        part = servegen.generate_day(
+        part = servegen.generate_replay(
             data,
             day,
             start_s=start_s,
             duration_s=piece_s,
             seed=seed + quarter,
             target_mean_rate_per_s=mean_rate_per_s,
-        )
+        ).requests
         offset = quarter * piece_s
         requests.extend(TraceRequest(r.arrival_s + offset, r.prompt_tokens, r.output_tokens) for r in part)
         p50s.append(statistics.median(r.prompt_tokens for r in part) if part else math.nan)

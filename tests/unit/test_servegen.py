@@ -107,17 +107,17 @@ def test_loads_the_layout_into_dataclasses(data: sg.ServeGenData) -> None:
 
 
 def test_same_seed_same_replay_other_seed_other_replay(data: sg.ServeGenData) -> None:
-    a = sg.generate_day(data, 0, start_s=3600, duration_s=3600, seed=5)
-    assert a == sg.generate_day(data, 0, start_s=3600, duration_s=3600, seed=5)
-    assert a != sg.generate_day(data, 0, start_s=3600, duration_s=3600, seed=6)
+    a = sg.generate_replay(data, 0, start_s=3600, duration_s=3600, seed=5).requests
+    assert a == sg.generate_replay(data, 0, start_s=3600, duration_s=3600, seed=5).requests
+    assert a != sg.generate_replay(data, 0, start_s=3600, duration_s=3600, seed=6).requests
     assert all(0 <= r.arrival_s < 3600 for r in a)
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
 
 
 def test_mean_rate_follows_rate_scale_and_target(data: sg.ServeGenData) -> None:
-    raw = sg.generate_day(data, 1, start_s=0, duration_s=7200, seed=1)
+    raw = sg.generate_replay(data, 1, start_s=0, duration_s=7200, seed=1).requests
     assert len(raw) / 7200 == pytest.approx(10.0, rel=0.05)  # 3 + 1 + 6 req/s
-    half = sg.generate_day(data, 1, start_s=0, duration_s=7200, rate_scale=0.5, seed=1)
+    half = sg.generate_replay(data, 1, start_s=0, duration_s=7200, rate_scale=0.5, seed=1).requests
     assert len(half) / 7200 == pytest.approx(5.0, rel=0.05)
     replay = sg.generate_replay(data, 0, duration_s=6 * 3600, seed=2, target_mean_rate_per_s=0.8)
     assert replay.rate_scale == pytest.approx(0.08)
@@ -144,7 +144,7 @@ def test_each_inter_arrival_law_is_used_with_the_rate_as_its_mean(
         return unit_gaps(rng, pat, shp, n)
 
     monkeypatch.setattr(sg, "_unit_gaps", spy)
-    requests = sg.generate_day(data, 0, duration_s=6 * 3600, seed=3)
+    requests = sg.generate_replay(data, 0, duration_s=6 * 3600, seed=3).requests
     assert used == {(pattern, shape)}
     gaps = np.diff([r.arrival_s for r in requests])
     assert gaps.mean() == pytest.approx(0.5, rel=0.05)  # rate 2 req/s
@@ -152,7 +152,7 @@ def test_each_inter_arrival_law_is_used_with_the_rate_as_its_mean(
 
 
 def test_lengths_come_from_the_pmf_support_only(data: sg.ServeGenData) -> None:
-    requests = sg.generate_day(data, 1, start_s=11 * 3600, duration_s=2 * 3600, seed=4)
+    requests = sg.generate_replay(data, 1, start_s=11 * 3600, duration_s=2 * 3600, seed=4).requests
     prompts = {r.prompt_tokens for r in requests}
     assert prompts == {100, 200, 1000}  # client 1 switches from 100 to 1000 at 12h of day 1
     assert {r.output_tokens for r in requests} <= {7, 9, 1, 5}  # 0 is clipped to 1
@@ -161,7 +161,7 @@ def test_lengths_come_from_the_pmf_support_only(data: sg.ServeGenData) -> None:
 
 def test_prompt_and_output_lengths_are_independent(tmp_path: Path) -> None:
     data = single_client(tmp_path, "m-one", "Gamma", 1.0, UNIFORM_1000)  # input = output PMF
-    requests = sg.generate_day(data, 0, duration_s=3600, seed=7)
+    requests = sg.generate_replay(data, 0, duration_s=3600, seed=7).requests
     prompts = np.array([r.prompt_tokens for r in requests], dtype=float)
     outputs = np.array([r.output_tokens for r in requests], dtype=float)
     assert len(requests) > 5000
@@ -180,7 +180,7 @@ def test_absent_client_takes_the_rate_weighted_mix_of_the_present_ones(data: sg.
     assert pin is not None
     assert dict(zip(pin.tokens.tolist(), pin.probs.tolist(), strict=True)) == pytest.approx({100: 0.75, 200: 0.25})
     # max_clients=1 keeps the busiest client, the absent one (6 req/s), alone.
-    requests = sg.generate_day(data, 0, duration_s=3600, seed=8, max_clients=1)
+    requests = sg.generate_replay(data, 0, duration_s=3600, seed=8, max_clients=1).requests
     assert len(requests) / 3600 == pytest.approx(6.0, rel=0.05)
     share_100 = sum(r.prompt_tokens == 100 for r in requests) / len(requests)
     assert share_100 == pytest.approx(0.75, abs=0.03)
@@ -216,7 +216,7 @@ def test_describe_and_drifting_day(data: sg.ServeGenData) -> None:
 
 
 def test_csv_round_trips_through_the_trace_reader(data: sg.ServeGenData, tmp_path: Path) -> None:
-    requests = sg.generate_day(data, 0, duration_s=600, seed=9)
+    requests = sg.generate_replay(data, 0, duration_s=600, seed=9).requests
     path = sg.write_trace_csv(requests, tmp_path / "day.csv")
     back = read_trace(path)
     origin = requests[0].arrival_s
@@ -229,15 +229,21 @@ def test_csv_round_trips_through_the_trace_reader(data: sg.ServeGenData, tmp_pat
     [
         (lambda d, f: sg.load_servegen("m-huge", f), "unknown ServeGen model 'm-huge'.*available: m-tiny"),
         (lambda d, f: sg.load_servegen("m-tiny", f / "nowhere"), "no ServeGen data folder"),
-        (lambda d, f: sg.generate_day(d, 2), r"day 2 out of range: m-tiny has 2 days \(0..1\)"),
-        (lambda d, f: sg.generate_day(d, -1), "day -1 out of range"),
-        (lambda d, f: sg.generate_day(d, 0, rate_scale=-1.0), "rate_scale must be > 0"),
-        (lambda d, f: sg.generate_day(d, 0, target_mean_rate_per_s=-2.0), "target_mean_rate_per_s must be > 0"),
-        (lambda d, f: sg.generate_day(d, 0, rate_scale=2.0, target_mean_rate_per_s=1.0), "not both"),
-        (lambda d, f: sg.generate_day(d, 1, start_s=3600, duration_s=86400), "runs past the end of the data"),
-        (lambda d, f: sg.generate_day(d, 0, duration_s=0), "duration_s must be > 0"),
-        (lambda d, f: sg.generate_day(d, 0, max_clients=0), "max_clients must be >= 1"),
-        (lambda d, f: sg.generate_day(d, 0, max_requests=1000), "more than max_requests=1,000"),
+        (lambda d, f: sg.generate_replay(d, 2).requests, r"day 2 out of range: m-tiny has 2 days \(0..1\)"),
+        (lambda d, f: sg.generate_replay(d, -1).requests, "day -1 out of range"),
+        (lambda d, f: sg.generate_replay(d, 0, rate_scale=-1.0).requests, "rate_scale must be > 0"),
+        (
+            lambda d, f: sg.generate_replay(d, 0, target_mean_rate_per_s=-2.0).requests,
+            "target_mean_rate_per_s must be > 0",
+        ),
+        (lambda d, f: sg.generate_replay(d, 0, rate_scale=2.0, target_mean_rate_per_s=1.0).requests, "not both"),
+        (
+            lambda d, f: sg.generate_replay(d, 1, start_s=3600, duration_s=86400).requests,
+            "runs past the end of the data",
+        ),
+        (lambda d, f: sg.generate_replay(d, 0, duration_s=0).requests, "duration_s must be > 0"),
+        (lambda d, f: sg.generate_replay(d, 0, max_clients=0).requests, "max_clients must be >= 1"),
+        (lambda d, f: sg.generate_replay(d, 0, max_requests=1000).requests, "more than max_requests=1,000"),
     ],
 )
 def test_bad_input_raises_a_value_error_naming_it(data: sg.ServeGenData, folder: Path, call, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -265,12 +271,15 @@ def test_malformed_rows_name_the_file_and_line(tmp_path: Path) -> None:
 def test_replays_are_sorted_in_span_and_positive(
     data: sg.ServeGenData, seed: int, day: int, start_s: float, duration_s: float, target: float
 ) -> None:
-    requests = sg.generate_day(data, day, start_s, duration_s, seed=seed, target_mean_rate_per_s=target)
+    requests = sg.generate_replay(data, day, start_s, duration_s, seed=seed, target_mean_rate_per_s=target).requests
     times = [r.arrival_s for r in requests]
     assert times == sorted(times)
     assert all(0 <= t < duration_s for t in times)
     assert all(isinstance(r, TraceRequest) and r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in requests)
-    assert requests == sg.generate_day(data, day, start_s, duration_s, seed=seed, target_mean_rate_per_s=target)
+    assert (
+        requests
+        == sg.generate_replay(data, day, start_s, duration_s, seed=seed, target_mean_rate_per_s=target).requests
+    )
 
 
 @given(pmf=st.dictionaries(st.integers(0, 10**6), st.floats(0.001, 1.0), min_size=1, max_size=30))
@@ -303,5 +312,7 @@ def test_real_m_large_has_fourteen_days_and_a_drifting_day() -> None:
     day = sg.drifting_day(data)
     p50s = [s.prompt_p50 for s in sg.describe(data, day)]
     assert max(p50s) / min(p50s) > 5
-    requests = sg.generate_day(data, day, start_s=12 * 3600, duration_s=1800, seed=0, target_mean_rate_per_s=5.5)
+    requests = sg.generate_replay(
+        data, day, start_s=12 * 3600, duration_s=1800, seed=0, target_mean_rate_per_s=5.5
+    ).requests
     assert len(requests) / 1800 == pytest.approx(5.5, rel=0.3)

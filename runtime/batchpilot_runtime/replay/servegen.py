@@ -96,7 +96,6 @@ __all__ = [
     "default_servegen_dir",
     "describe",
     "drifting_day",
-    "generate_day",
     "generate_replay",
     "load_servegen",
     "main",
@@ -241,7 +240,14 @@ def generate_replay(
     max_clients: int | None = None,
     max_requests: int | None = DEFAULT_MAX_REQUESTS,
 ) -> Replay:
-    """:func:`generate_day`, also returning the scaling it used."""
+    """Sample the requests of ``[start_s, start_s + duration_s)`` of ``day`` (0-based), sorted,
+    ``arrival_s`` relative to the start of the replay; deterministic for a seed, with the scaling it used.
+
+    ``rate_scale`` multiplies every client's rate; ``target_mean_rate_per_s`` (instead) picks
+    the scale that makes the expected mean rate over the span equal the target (the realized
+    rate varies around it, more for bursty spans). ``max_clients`` keeps only the busiest
+    clients of the span (their raw rates; the target, if any, then applies to them alone).
+    ``max_requests`` refuses replays expected to be larger (None: no limit)."""
     begin, end = _check_span(data, day, start_s, duration_s)
     if not (math.isfinite(rate_scale) and rate_scale > 0):
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
@@ -302,39 +308,6 @@ def generate_replay(
             for t, p, o in zip(all_times[order].tolist(), all_prompts.tolist(), all_outputs.tolist(), strict=True)
         ]
     return Replay(requests, data.model, day, start_s, duration_s, rate_scale, raw, len(clients), seed)
-
-
-def generate_day(
-    data: ServeGenData,
-    day: int,
-    start_s: float = 0.0,
-    duration_s: float = DAY_S,
-    rate_scale: float = 1.0,
-    seed: int = 0,
-    *,
-    target_mean_rate_per_s: float | None = None,
-    max_clients: int | None = None,
-    max_requests: int | None = DEFAULT_MAX_REQUESTS,
-) -> list[TraceRequest]:
-    """Sample the requests of ``[start_s, start_s + duration_s)`` of ``day`` (0-based), sorted,
-    ``arrival_s`` relative to the start of the replay; deterministic for a seed.
-
-    ``rate_scale`` multiplies every client's rate; ``target_mean_rate_per_s`` (instead) picks
-    the scale that makes the expected mean rate over the span equal the target (the realized
-    rate varies around it, more for bursty spans). ``max_clients`` keeps only the busiest
-    clients of the span (their raw rates; the target, if any, then applies to them alone).
-    ``max_requests`` refuses replays expected to be larger (None: no limit)."""
-    return generate_replay(
-        data,
-        day,
-        start_s,
-        duration_s,
-        rate_scale,
-        seed,
-        target_mean_rate_per_s=target_mean_rate_per_s,
-        max_clients=max_clients,
-        max_requests=max_requests,
-    ).requests
 
 
 # --------------------------------------------------------------------------- statistics

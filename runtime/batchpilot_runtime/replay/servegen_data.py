@@ -33,7 +33,7 @@ WINDOW_S = 600.0  # one row of a chunk-*-trace.csv
 LENGTH_WINDOW_S = 21600.0  # one key of a chunk-*-dataset.json (6 hours)
 DAY_S = 86400.0
 PATTERNS = ("Weibull", "Gamma", "")
-# generate_day refuses a replay expected to exceed this many requests unless told otherwise:
+# generate_replay refuses a replay expected to exceed this many requests unless told otherwise:
 # the raw m-large day is about 17 M requests (196 req/s), which wants rate_scale or a target rate.
 DEFAULT_MAX_REQUESTS = 5_000_000
 
