@@ -148,3 +148,15 @@ def _merge(base: Any, override: Any) -> Any:
     if isinstance(base, dict) and isinstance(override, dict):
         return {**base, **{k: _merge(base.get(k), v) for k, v in override.items()}}
     return override
+
+
+def test_gitops_examples_track_the_release_tag_not_a_branch() -> None:
+    """A synced install follows what its revision points at: a branch would upgrade it on every merge."""
+    chart = yaml.safe_load((REPO / "charts" / "batchpilot" / "Chart.yaml").read_text())
+    tag = f"v{chart['appVersion']}"
+    apps = load_documents((DEPLOY / "argocd" / "batchpilot.yaml").read_text())
+    assert [app["spec"]["source"]["targetRevision"] for app in apps] == [tag] * len(apps)
+    flux = one(load_documents((DEPLOY / "flux" / "batchpilot.yaml").read_text()), "GitRepository", "batchpilot")
+    assert flux["spec"]["ref"] == {"tag": tag}
+    base = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())
+    assert {image["newTag"] for image in base["images"]} == {chart["appVersion"]}
