@@ -38,6 +38,7 @@ pushes and records results, :mod:`.conditions` and :mod:`.facts` derive the stat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -250,6 +251,14 @@ class Controller:
         record.loop.window = numbered(window, past=past)
         return record.loop.window
 
+    @staticmethod
+    def _numbered(decision: policy_mod.Decision, in_force: Window) -> policy_mod.Decision:
+        """A changed decision's window numbered past the one in force: what is pushed, recommended and
+        announced carries the generation it would go out with."""
+        if not decision.changed:
+            return decision
+        return dataclasses.replace(decision, window=numbered(decision.window, past=in_force.generation))
+
     def _ensure_window(self, record: ProfileRecord) -> None:
         """Static mode: the spec's window, renumbered when its fields change. Otherwise the spec's window when
         none is in force, numbered past the one last written to status."""
@@ -428,7 +437,9 @@ class Controller:
             )
         elif spec.mode in RECOMMENDING:  # restart mode: the window in force is what the workload runs
             in_force = pods_window(record) or window
-            decision = policy_mod.decide(spec, in_force, obs, record.memory.policy_state, now_s)
+            decision = self._numbered(
+                policy_mod.decide(spec, in_force, obs, record.memory.policy_state, now_s), in_force
+            )
             record.memory.policy_state = decision.state
             record.memory.recommended = decision.window if decision.changed else None
         else:
@@ -464,11 +475,11 @@ class Controller:
         decision = self.canaries.screen(
             record, policy_mod.decide(spec, window, obs, record.memory.policy_state, now_s), now_s
         )
+        decision = self._numbered(decision, window)
         record.memory.policy_state = decision.state
         if decision.changed:
-            proposed = numbered(decision.window, past=window.generation)
-            if not self.canaries.start(record, proposed, pods, now_s):
-                record.loop.window = proposed
+            if not self.canaries.start(record, decision.window, pods, now_s):
+                record.loop.window = decision.window
             record.loop.push_pending = True
             report.changed += 1
         return decision
