@@ -124,7 +124,10 @@ class Controller:
         self.sglang = SGLangSync(sglang or SGLangClient(timeout_s=admin.timeout_s))
         self.restart = RestartPath(workloads, self._queue_event)  # tuning.mode restart (control/restart.py)
         self.canaries = Canaries(self._queue_event)
-        self.status_writer = StatusWriter(sink, self.metrics, self.facts, self.restart.status_of, self._queue_event)
+        # Looked up at call time (not bound now): a replaced ``facts`` (tests, subclasses) is the one used.
+        self.status_writer = StatusWriter(
+            sink, self.metrics, lambda record: self.facts(record), self.restart.status_of, self._queue_event
+        )
         self.last_tick_started_s: float | None = None
         self.last_tick_finished_s: float | None = None
         self.ticks = 0
