@@ -160,7 +160,9 @@ async def test_standby_stays_live_through_idle_profiles_and_takes_over(
             await wait_for(lambda: _ticks(low), STANDBY_LIFETIME_S + 20, "the low replica taking over")  # type: ignore[arg-type]
             await api.patch(f"{PROFILES_PATH}/chat", json={"spec": {"window": {"hardCap": 12}}},
                             headers={"Content-Type": "application/merge-patch+json"})  # fmt: skip
-            await wait_for(lambda: fake.pods[ROOT_POD].state.window.hard_cap == 12, 30, "the new active pushing")
+            # A bound for a stuck replica, not a latency target: on a 2-core host busy with other work, the
+            # watch event, the next tick and the push took over 30 s once (load average about 5).
+            await wait_for(lambda: fake.pods[ROOT_POD].state.window.hard_cap == 12, 90, "the new active pushing")
 
             # 3. The new active replica's own watch checks pass (kopf resumed its watches).
             await _probe_until_watch_checks(3, [low], failures)
