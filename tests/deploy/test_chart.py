@@ -23,6 +23,7 @@ from batchpilot_operator.api.profile import SLO, parse_manifest, parse_spec
 from batchpilot_operator.cli import main as operator_cli
 from batchpilot_runtime.cli import main as runtime_cli
 from batchpilot_runtime.contract.window import WindowFields
+from batchpilot_runtime.gate import cli as gate_cli
 from tests.support.crd_validation import validate_object
 
 from .tools import (
@@ -40,7 +41,8 @@ from .tools import (
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
 NAMESPACED = CHART / "ci" / "namespaced-values.yaml"
-CASES = {"defaults": (), "all-on": (ALL_ON,), "namespaced": (NAMESPACED,)}
+GATED = CHART / "ci" / "gate-values.yaml"
+CASES = {"defaults": (), "all-on": (ALL_ON,), "namespaced": (NAMESPACED,), "gated": (GATED,)}
 FOREIGN_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ClusterKopfPeering", "KopfPeering"}
 
 
@@ -159,8 +161,14 @@ def test_never_two_active_operators(rendered: dict[str, list[dict[str, Any]]], c
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_commands_parse_with_the_real_command_lines(rendered: dict[str, list[dict[str, Any]]], case: str) -> None:
-    """The operator's and the runtimes' arguments are accepted by their own argparse parsers."""
+    """The operator's, the runtimes' and the gates' arguments are accepted by their own parsers
+    (an engine's are its own: tests/deploy/test_chart_gate.py)."""
     for deployment in find(rendered[case], "Deployment"):
+        containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+        if "gate" in containers:
+            config = gate_cli.config_from_args(gate_cli.build_parser().parse_args(containers["gate"]["args"]))
+            assert config.admin_token_file is not None and config.host == "0.0.0.0"
+            continue
         args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         if args[0] == "run":
             parsed = operator_cli.build_parser().parse_args(args)
