@@ -49,7 +49,8 @@ class PolicyConfig:
     itl_setpoint_ratio: float = 0.85  # ... and towards the budget that puts it at this share
     budget_ceiling_calm_intervals: int = 20  # gaps within target this long before the budget ceiling lifts
     budget_min_change: float = 0.05  # a smaller relative move of the budget is not worth a decision
-    budget_raise_ttft_ratio: float = 0.6  # first tokens this close to their target ask for a larger budget
+    budget_raise_ttft_ratio: float = 0.4  # first tokens this close to their target ask for a larger budget
+    itl_raise_top_ratio: float = 0.95  # a raise for first tokens over target aims the gaps at most at this share
 
 
 DEFAULT_CONFIG = PolicyConfig()
@@ -236,6 +237,21 @@ def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
     return math.inf if per_token_s <= 0 else target_ms / 1000.0 / per_token_s
 
 
+def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, share: float, ratio: float) -> float:
+    """The budget factor that would bring the inter-token P99 to ``share`` of its target.
+
+    A gap is one step's time: its decodes' part stays and its prompt part grows by
+    ``prefill_s_per_token`` a token, so the room left under the target buys (room / cost per token)
+    more tokens. A budget read as proportional to the gap (``share / ratio``) underrates that room
+    by the decodes' share of the step. Proportional when the cost per token is unknown."""
+    target_ms = spec.slo.inter_token_p99_ms
+    per_token_s = obs.prefill_s_per_token
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
+        return share / max(ratio, 1e-3)
+    room_s = share * target_ms / 1000.0 - obs.itl_p99_s
+    return max(1.0, budget + room_s / per_token_s) / budget
+
+
 def budget_move(
     spec: BatchProfileSpec,
     window: Window,
@@ -280,8 +296,9 @@ def budget_move(
     if ratio < config.itl_raise_ratio and first_tokens_wait:
         factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
     elif ttft_ratio > 1.0:
-        # First tokens over, gaps within target but close: balance, never past the gap target.
-        factor = min(balance, 0.95 / ratio)
+        # First tokens over, gaps within target but close: balance, never past the gap target, whose
+        # room is read from the step's own cost per prompt token.
+        factor = min(balance, gap_room_factor(spec, obs, current, config.itl_raise_top_ratio, ratio))
     else:
         return BudgetMove(budget)
     if factor < 1.0 + config.budget_min_change:

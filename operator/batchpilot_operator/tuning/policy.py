@@ -78,13 +78,15 @@ decode part of a step grows with the batch). A cut also sets a ceiling: the budg
 past it again until the gaps have stayed within target for 20 intervals, then by one step at a
 time (as the memory ceiling of the cap does), because the gap's P99 is set by the longest
 prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
-70 % of their target while first tokens are past their headroom (towards the 85 % point), or
+70 % of their target while first tokens are past 40 % of theirs (towards the 85 % point), or
 when first tokens are over while the gaps are within target (towards the balance, never past
-95 % of the gap target), by at most the step limit and never past the ceiling. For a first-token
-SLO a raise also stops at the prompt tokens one step prefills within the first-token target
-(``Observations.prefill_s_per_token``): a request that arrives as a step starts waits for that step
-to end, so a longer step makes it miss however short the queue is. A move under 5 % is not made. Otherwise it holds: a budget raised while nothing contends would only show its cost
-at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
+95 % of the gap target), by at most the step limit and never past the ceiling. How many tokens
+the room under 95 % buys is read from a prompt token's step cost
+(``Observations.prefill_s_per_token``): only the prompt part of a gap grows with the budget. For a
+first-token SLO a raise also stops at the prompt tokens one step prefills within the first-token
+target: a request that arrives as a step starts waits for that step to end, so a longer step
+makes it miss however short the queue is. A move under 5 % is not made. Otherwise it holds: a
+budget raised while nothing contends would only show its cost at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
 
 An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place
 of the P99 above wherever it decides alone: the data gate, headroom and the dead band; nothing
