@@ -35,6 +35,7 @@ from .tools import (
     helm_template,
     labels_match,
     one,
+    parse_operator_container,
     pod_specs,
     run,
 )
@@ -171,7 +172,7 @@ def test_commands_parse_with_the_real_command_lines(rendered: dict[str, list[dic
             continue
         args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         if args[0] == "run":
-            parsed = operator_cli.build_parser().parse_args(args)
+            parsed = parse_operator_container(deployment["spec"]["template"]["spec"]["containers"][0])
             assert parsed.admin_token_file is not None and parsed.prometheus_url
         else:
             assert args[0] == "serve"

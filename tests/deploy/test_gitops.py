@@ -18,7 +18,18 @@ import yaml
 
 from batchpilot_operator.api.crd import render_crd
 
-from .tools import CHART, DEPLOY, KUBERNETES_VERSION, REPO, find, helm_template, kustomize, load_documents, one
+from .tools import (
+    CHART,
+    DEPLOY,
+    KUBERNETES_VERSION,
+    REPO,
+    find,
+    helm_template,
+    kustomize,
+    load_documents,
+    one,
+    parse_operator_container,
+)
 
 OVERLAYS = ("dev", "production")
 
@@ -103,7 +114,7 @@ def test_dev_overlay_brings_its_own_token(built: dict[str, list[dict[str, Any]]]
         "name": "admin-token",
         "secret": {"secretName": secret["metadata"]["name"], "defaultMode": 0o440},
     } in volumes
-    assert "--verbose" in _operator_container(docs)["args"]
+    assert parse_operator_container(_operator_container(docs)).verbose is True  # BATCHPILOT_VERBOSE
 
 
 def test_argocd_applications_point_at_existing_sources() -> None:
@@ -160,3 +171,21 @@ def test_gitops_examples_track_the_release_tag_not_a_branch() -> None:
     assert flux["spec"]["ref"] == {"tag": tag}
     base = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())
     assert {image["newTag"] for image in base["images"]} == {chart["appVersion"]}
+
+
+def test_overlays_set_the_prometheus_url_by_name_not_by_argument_position(
+    built: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The dev overlay's patch names BATCHPILOT_PROMETHEUS_URL (strategic merge by env name): the base
+    may add or reorder arguments without the patch replacing the wrong one."""
+    base = parse_operator_container(_operator_container(kustomize(DEPLOY / "base")))
+    assert base.prometheus_url == "http://prometheus-operated.monitoring.svc:9090"
+    dev = _operator_container(built["dev"])
+    parsed = parse_operator_container(dev)
+    assert parsed.prometheus_url == "http://prometheus-server.monitoring.svc:80" and parsed.verbose is True
+    assert not [a for a in dev["args"] if a.startswith("--prometheus-url")]
+    assert [e["name"] for e in dev["env"]].count("BATCHPILOT_PROMETHEUS_URL") == 1
+    assert dev["imagePullPolicy"] == "Never"
+    # The chart sets the same variable from operator.prometheusUrl.
+    chart = _operator_container(helm_template(sets=["operator.prometheusUrl=http://prom.example:9090"]))
+    assert parse_operator_container(chart).prometheus_url == "http://prom.example:9090"

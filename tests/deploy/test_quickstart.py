@@ -22,7 +22,18 @@ from batchpilot_operator.cli import main as operator_cli
 from batchpilot_runtime.cli import main as runtime_cli
 from tests.support.crd_validation import validate_object
 
-from .tools import CHART, DEPLOY, KUBERNETES_VERSION, find, helm_path, helm_template, labels_match, one, run
+from .tools import (
+    CHART,
+    DEPLOY,
+    KUBERNETES_VERSION,
+    find,
+    helm_path,
+    helm_template,
+    labels_match,
+    one,
+    parse_operator_container,
+    run,
+)
 
 QUICKSTART = DEPLOY / "helm" / "quickstart-values.yaml"
 CASES = {"quickstart": QUICKSTART, "all-on": CHART / "ci" / "all-on-values.yaml"}
@@ -167,7 +178,10 @@ def test_kube_prometheus_stack_selects_the_quickstart_monitors() -> None:
         assert one(docs, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack", kind
     # The operator reads the Prometheus that kube-prometheus-stack runs in `monitoring`.
     operator = one(docs, "Deployment", "bp-batchpilot-operator")
-    assert _flag(_container(operator)["args"], "--prometheus-url") == "http://prometheus-operated.monitoring.svc:9090"
+    assert (
+        parse_operator_container(_container(operator)).prometheus_url
+        == "http://prometheus-operated.monitoring.svc:9090"
+    )
 
 
 def test_the_readme_quickstart_names_what_the_chart_renders() -> None:

@@ -205,3 +205,19 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def load_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def parse_operator_container(container: dict[str, Any]) -> Any:
+    """The operator's command line as the container runs it: its args, with its plain ``BATCHPILOT_*``
+    env values (and no variable of the test's own environment) standing for flags the args leave out."""
+    import pytest
+
+    from batchpilot_operator.cli import main as operator_cli
+
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("BATCHPILOT_")]:
+            patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return operator_cli.build_parser().parse_args(container["args"])
