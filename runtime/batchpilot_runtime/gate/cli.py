@@ -25,7 +25,7 @@ from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.gate.admission import GateLimits
 from batchpilot_runtime.gate.proxy import GateApp
 from batchpilot_runtime.gate.service import Gate
-from batchpilot_runtime.gate.upstream import UpstreamPools
+from batchpilot_runtime.gate.upstream import UpstreamSlots
 from batchpilot_runtime.server.admin import create_admin_app
 from batchpilot_runtime.server.config import parse_lane, window_from_flags
 from batchpilot_runtime.server.listen import bind_socket, http_server, load_admin_token, url_of
@@ -158,11 +158,13 @@ async def run_gate(
     if own_stop:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    async with UpstreamPools(config.limits.max_hard_cap + SPARE_SLOTS, config.connect_timeout_s) as pools:
+    async with UpstreamSlots(
+        config.upstream, config.limits.max_hard_cap + SPARE_SLOTS, config.connect_timeout_s
+    ) as slots:
         serve_sock = bind_socket(config.host, config.port)
         admin_sock = bind_socket(config.host, config.admin_port)
         servers = [
-            http_server(GateApp(gate, config.upstream, pools)),
+            http_server(GateApp(gate, config.upstream, slots)),
             http_server(create_admin_app(gate, "batchpilot gate admin")),
         ]
         tasks = [

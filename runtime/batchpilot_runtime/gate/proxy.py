@@ -29,8 +29,9 @@ import httpx
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.gate.admission import Admitted
+from batchpilot_runtime.gate.h1client import Response, SlotClient, UpstreamClosed, UpstreamError
 from batchpilot_runtime.gate.service import Gate
-from batchpilot_runtime.gate.upstream import UpstreamPools
+from batchpilot_runtime.gate.upstream import UpstreamSlots
 from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, RequestTimings
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 
@@ -50,8 +51,9 @@ _HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer"}
     | {b"transfer-encoding", b"upgrade"}
 )
-# A forwarded request also loses the client's Host and length: httpx sets both for the upstream.
-_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length"}
+# A forwarded request also loses the client's Host, length and accepted encodings: the gate's client
+# sets them for the upstream (identity: the gate reads SSE events and usage from the bytes).
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
 _LANE_HEADER = LANE_HEADER.lower().encode()
 _SSE_EVENT = b"data:"
 _SSE_DONE = b"data: [DONE]"
@@ -159,10 +161,10 @@ def _usage_tokens(tail: bytes, streamed: bool) -> tuple[int, int] | None:
 class GateApp:
     """The serving port's ASGI app (see the module docstring)."""
 
-    def __init__(self, gate: Gate, upstream: str, pools: UpstreamPools) -> None:
+    def __init__(self, gate: Gate, upstream: str, slots: UpstreamSlots) -> None:
         self.gate = gate
         self.upstream = upstream.rstrip("/")
-        self.pools = pools
+        self.slots = slots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -241,11 +243,11 @@ class GateApp:
     ) -> None:
         exchange.admitted = await admission
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
-        slot, client = self.pools.take()
+        slot, client = self.slots.take()
         try:
             try:
                 response = await self._send_upstream(client, scope, body, headers)
-            except httpx.HTTPError as error:
+            except UpstreamError as error:
                 exchange.outcome = "error"
                 await self._bad_gateway(send, error)
                 return
@@ -254,29 +256,26 @@ class GateApp:
             finally:
                 await response.aclose()
         finally:
-            self.pools.give_back(slot)
+            self.slots.give_back(slot)
 
     async def _send_upstream(
-        self, client: httpx.AsyncClient, scope: Scope, body: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> httpx.Response:
-        """The upstream's answer (headers; the body streams). A kept-alive connection the engine closed
-        just as the request went out fails before any answer: that one is sent again, once, on a new
-        connection. A refused connection is not retried (the engine is down: 502 at once)."""
-        url = self.upstream + scope["path"]
+        self, client: SlotClient, scope: Scope, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> Response:
+        """The upstream's answer (its head; the body streams). A connection the engine closed before
+        answering (a kept-alive one it was closing just as the request went out) is sent again, once,
+        on a new connection. A refused connection is not retried (the engine is down: 502 at once)."""
         try:
-            return await client.send(
-                client.build_request(scope["method"], url, content=body, headers=headers), stream=True
-            )
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
-            logger.info("upstream closed a kept-alive connection; sending again", extra={"error": repr(error)})
-        return await client.send(client.build_request(scope["method"], url, content=body, headers=headers), stream=True)
+            return await client.send(scope["method"], scope["path"], headers, body)
+        except UpstreamClosed as error:
+            logger.info("upstream closed a connection unanswered; sending again", extra={"error": repr(error)})
+        return await client.send(scope["method"], scope["path"], headers, body)
 
-    async def _relay(self, response: httpx.Response, exchange: _Exchange, send: Send) -> None:
-        # Raw bytes go back as they came (aiter_raw: not decoded), so the upstream's length and encoding hold.
-        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+    async def _relay(self, response: Response, exchange: _Exchange, send: Send) -> None:
+        # The body's bytes go back as they came (not decoded), so the upstream's encoding holds.
+        headers = [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         exchange.response_started = True
-        streamed = exchange.streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+        streamed = exchange.streamed = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
         clock = self.gate.clock
         try:
             async for chunk in response.aiter_raw():
@@ -285,11 +284,11 @@ class GateApp:
                 if streamed:
                     self._observe_chunk(exchange, chunk, now_s)
                 exchange.tail = (exchange.tail + chunk)[-65536:]
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             exchange.outcome = "error"
             logger.warning("upstream failed mid-answer", extra={"upstream": self.upstream, "error": repr(error)})
             if streamed:
-                message = f"upstream {self.upstream} failed mid-stream: {error!r}"
+                message = f"upstream {self.upstream} failed mid-stream: {error}"
                 event = json.dumps({"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}})
                 await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -310,8 +309,8 @@ class GateApp:
         exchange.last_chunk_s = now_s
         exchange.events += events
 
-    async def _bad_gateway(self, send: Send, error: httpx.HTTPError) -> None:
-        refusal = _Refused(502, f"upstream {self.upstream} did not answer: {error!r}", "bad_gateway")
+    async def _bad_gateway(self, send: Send, error: Exception) -> None:
+        refusal = _Refused(502, f"upstream {self.upstream} did not answer: {error}", "bad_gateway")
         await _send_simple(send, refusal.status, refusal.body, b"application/json", {})
 
     def _report(self, exchange: _Exchange) -> None:
@@ -337,7 +336,7 @@ class GateApp:
     async def _passthrough(self, scope: Scope, send: Send) -> None:
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
         try:
-            response = await self.pools.side.get(self.upstream + scope["path"], headers=headers)
+            response = await self.slots.side.get(self.upstream + scope["path"], headers=headers)
         except httpx.HTTPError as error:
             await self._bad_gateway(send, error)
             return
@@ -351,7 +350,7 @@ class GateApp:
         if self.gate.draining:
             raise _Refused(503, "draining", "service_unavailable")
         try:
-            response = await self.pools.side.get(self.upstream + "/health", timeout=2.0)
+            response = await self.slots.side.get(self.upstream + "/health", timeout=2.0)
         except httpx.HTTPError as error:
             raise _Refused(
                 503, f"upstream {self.upstream} is not reachable: {error!r}", "service_unavailable"
