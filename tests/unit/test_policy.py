@@ -196,6 +196,10 @@ def test_first_tokens_under_pressure_raise_the_budget_towards_the_inter_token_se
     # Gaps at 60 %: the setpoint (0.85 / 0.6) binds first.
     decision = decide(spec, window, make_observations(0.8, itl_p99_s=0.060), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 1416
+    # First tokens just past half their target ask for it; just under half, they do not (a raise while
+    # nothing contends would only show its cost at the next burst).
+    assert decide(spec, window, make_observations(0.55, itl_p99_s=0.040), PolicyState(), 100.0).changed
+    assert not decide(spec, window, make_observations(0.45, itl_p99_s=0.040), PolicyState(), 100.0).changed
 
 
 def test_the_budget_never_rises_past_a_step_that_outlasts_the_first_token_target() -> None:

@@ -49,7 +49,7 @@ class PolicyConfig:
     itl_setpoint_ratio: float = 0.85  # ... and towards the budget that puts it at this share
     budget_ceiling_calm_intervals: int = 20  # gaps within target this long before the budget ceiling lifts
     budget_min_change: float = 0.05  # a smaller relative move of the budget is not worth a decision
-    budget_raise_ttft_ratio: float = 0.4  # first tokens this close to their target ask for a larger budget
+    budget_raise_ttft_ratio: float = 0.5  # first tokens this close to their target ask for a larger budget
     itl_raise_top_ratio: float = 0.95  # a raise for first tokens over target aims the gaps at most at this share
 
 

@@ -78,7 +78,7 @@ decode part of a step grows with the batch). A cut also sets a ceiling: the budg
 past it again until the gaps have stayed within target for 20 intervals, then by one step at a
 time (as the memory ceiling of the cap does), because the gap's P99 is set by the longest
 prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
-70 % of their target while first tokens are past 40 % of theirs (towards the 85 % point), or
+70 % of their target while first tokens are past 50 % of theirs (towards the 85 % point), or
 when first tokens are over while the gaps are within target (towards the balance, never past
 95 % of the gap target), by at most the step limit and never past the ceiling. How many tokens
 the room under 95 % buys is read from a prompt token's step cost
