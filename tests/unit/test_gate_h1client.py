@@ -4,6 +4,7 @@ may be sent again."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -44,6 +45,26 @@ async def read_request(reader: asyncio.StreamReader, heads: list[bytes]) -> byte
     return await reader.readexactly(length)
 
 
+def answering(connections: list[int], *answers: bytes, repeat: bool = False) -> Handler:
+    """A handler that counts its connections and answers one connection's requests with ``answers`` in
+    turn (the last one again and again with ``repeat``), ending the connection when they run out or
+    the client closes it."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        for index in itertools.count():
+            if index >= len(answers) and not repeat:
+                return
+            try:
+                await read_request(reader, [])
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(answers[min(index, len(answers) - 1)])
+            await writer.drain()
+
+    return handler
+
+
 async def body_of(response: Response) -> list[bytes]:
     return [chunk async for chunk in response.aiter_raw()]
 
@@ -78,18 +99,12 @@ async def test_a_chunked_answer_comes_chunk_for_chunk_and_the_connection_is_kept
 
 async def test_an_http10_answer_keeps_its_connection_only_when_it_says_keep_alive() -> None:
     connections: list[int] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(1)
-        for answer in range(2):  # keep-alive on a connection's first answer only
-            try:
-                await read_request(reader, [])
-            except asyncio.IncompleteReadError:
-                return
-            keep = b"connection: keep-alive\r\n" if answer == 0 else b""
-            writer.write(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n" + keep + b"\r\nok")
-            await writer.drain()
-
+    # keep-alive on a connection's first answer only
+    handler = answering(
+        connections,
+        b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok",
+    )
     async with serving(handler) as client:
         for _ in range(3):
             response = await client.send("POST", "/v1/completions", [], b"{}")
@@ -102,20 +117,11 @@ async def test_an_http10_answer_keeps_its_connection_only_when_it_says_keep_aliv
 async def test_a_sized_or_close_delimited_answer_and_when_its_connection_is_reused(close: bool) -> None:
     connections: list[int] = []
     payload = b"x" * 200_000
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(1)
-        while True:
-            try:
-                await read_request(reader, [])
-            except asyncio.IncompleteReadError:
-                return
-            if close:  # no length: the body ends with the connection
-                writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + payload)
-                await writer.drain()
-                return
-            writer.write(f"HTTP/1.1 200 OK\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
-            await writer.drain()
+    if close:  # no length: the body ends with the connection
+        handler = answering(connections, b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + payload)
+    else:
+        sized = f"HTTP/1.1 200 OK\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload
+        handler = answering(connections, sized, repeat=True)
 
     async with serving(handler) as client:
         for _ in range(2):
@@ -197,16 +203,7 @@ async def test_a_connection_closed_before_any_answer_may_be_sent_again_other_fai
 
 async def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
     connections: list[int] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(1)
-        while True:
-            try:
-                await read_request(reader, [])
-            except asyncio.IncompleteReadError:
-                return
-            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
-            await writer.drain()
+    handler = answering(connections, b"HTTP/1.1 204 No Content\r\n\r\n", repeat=True)
 
     now = [1000.0]
     async with serving(handler, clock=lambda: now[0]) as client:
