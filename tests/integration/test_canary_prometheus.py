@@ -4,11 +4,9 @@ each pod's first-token P99 read back apart, by the same parser as the model-wide
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from batchpilot_operator.io.observe import to_observations
 from batchpilot_operator.io.promql import PrometheusSource
 from tests.integration.fake_admin import render_metrics
 from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
+from tests.support.engine_expositions import serve_exposition
 
 pytestmark = [
     pytest.mark.skipif(prometheus_binary() is None, reason="prometheus is not installed (scripts/system-deps.sh)"),
@@ -28,28 +27,10 @@ pytestmark = [
 def runtime_metrics(model: str, ttft_s: float) -> Iterator[str]:
     """A /metrics whose requests grow 50 a second, every one with this TTFT; yields host:port."""
     started = time.monotonic()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = render_metrics(model, ttft_s, int((time.monotonic() - started) * 50)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            del format, args
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serve_exposition(
+        lambda: render_metrics(model, ttft_s, int((time.monotonic() - started) * 50)).encode()
+    ) as address:
+        yield address
 
 
 async def test_each_pods_p99_comes_back_apart_from_one_query(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -160,22 +160,16 @@ class EngineExposition:
 
 
 @contextmanager
-def serving(fixture: EngineExposition, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve ``fixture`` at ``http://host:port/metrics``, advanced by the wall-clock time since its last
-    scrape; yields the host:port."""
-    lock = threading.Lock()
-    last = [time.monotonic()]
+def serve_exposition(render: Callable[[], bytes], host: str = "127.0.0.1", name: str = "metrics") -> Iterator[str]:
+    """Serve ``render()`` at ``http://host:port/metrics`` (rendered again on every scrape, on the server's
+    threads); yields the host:port."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path != "/metrics":
                 self.send_error(404)
                 return
-            with lock:
-                now = time.monotonic()
-                fixture.advance(now - last[0])
-                last[0] = now
-                body = fixture.exposition()
+            body = render()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -186,7 +180,7 @@ def serving(fixture: EngineExposition, host: str = "127.0.0.1") -> Iterator[str]
             del format, args
 
     server = ThreadingHTTPServer((host, 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, name=f"{fixture.engine}-metrics", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     try:
         yield f"{host}:{server.server_address[1]}"
@@ -194,3 +188,21 @@ def serving(fixture: EngineExposition, host: str = "127.0.0.1") -> Iterator[str]
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@contextmanager
+def serving(fixture: EngineExposition, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve ``fixture`` at ``http://host:port/metrics``, advanced by the wall-clock time since its last
+    scrape; yields the host:port."""
+    lock = threading.Lock()
+    last = [time.monotonic()]
+
+    def render() -> bytes:
+        with lock:
+            now = time.monotonic()
+            fixture.advance(now - last[0])
+            last[0] = now
+            return fixture.exposition()
+
+    with serve_exposition(render, host, f"{fixture.engine}-metrics") as address:
+        yield address
