@@ -201,3 +201,42 @@ def test_the_values_docs_gate_md_shows_render_a_gated_model(tmp_path: Path) -> N
     assert sorted(containers) == ["engine", "gate"]
     assert _gate_config(containers["gate"]).limits.max_hard_cap == 64
     assert "--max-num-seqs=64" in containers["engine"]["args"]
+
+
+def test_a_hung_engine_is_restarted_after_its_load(docs: list[dict[str, Any]]) -> None:
+    """The engine's liveness runs in its container (it listens on loopback, where the kubelet's
+    httpGet does not reach) and asks the /health the gate's readiness asks; a startup probe gives
+    the model its load time first."""
+    for model, port in (("llama", 8000), ("qwen", 30000)):
+        engine = _containers(_pod(docs, model))["engine"]
+        command = engine["livenessProbe"]["exec"]["command"]
+        assert command[:2] == ["python3", "-c"] and f"'http://127.0.0.1:{port}/health'" in command[2]
+        assert engine["startupProbe"]["exec"] == engine["livenessProbe"]["exec"]
+        assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == 1800
+        assert "readinessProbe" not in engine
+    custom = helm_template(
+        GATED,
+        sets=[
+            "models[0].engine.livenessProbe.httpGet.path=/health",
+            "models[0].engine.livenessProbe.httpGet.port=9000",
+            "models[0].engine.livenessProbe.periodSeconds=30",
+            "models[0].engine.startupSeconds=600",
+            "models[1].engine.livenessProbe=false",
+        ],
+    )
+    llama = _containers(_pod(custom, "llama"))["engine"]
+    assert llama["livenessProbe"] == {"httpGet": {"path": "/health", "port": 9000}, "periodSeconds": 30}
+    assert llama["startupProbe"] == {
+        "httpGet": {"path": "/health", "port": 9000},
+        "periodSeconds": 10,
+        "failureThreshold": 60,
+    }
+    qwen = _containers(_pod(custom, "qwen"))["engine"]
+    assert "livenessProbe" not in qwen and "startupProbe" not in qwen
+
+
+def test_an_engine_of_another_kind_gets_no_probe_unless_given() -> None:
+    docs = helm_template(GATED, sets=["models[1].engine.kind=other", "models[1].engine.args={--port=30000}"])
+    assert "livenessProbe" not in _containers(_pod(docs, "qwen"))["engine"]
+    with pytest.raises(AssertionError, match="livenessProbe"):
+        helm_template(GATED, sets=["models[1].engine.livenessProbe=true"])

@@ -102,8 +102,16 @@
     {{- with $engine.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- /* No probes: the engine listens on loopback, out of the kubelet's reach; the gate's
-         /readyz asks its /health. */}}
+  {{- /* Readiness is the gate's (its /readyz asks the engine's /health). Liveness restarts an engine
+         whose /health stops answering 200 (vLLM answers 503 once its engine core died); it runs
+         in the container because the engine listens on loopback, out of the kubelet's httpGet. */}}
+  {{- with (include "batchpilot.gate.engineLiveness" (list $model $port) | fromYaml) }}
+  startupProbe:
+    {{- toYaml (merge (omit . "periodSeconds" "failureThreshold" "successThreshold" "initialDelaySeconds")
+        (dict "periodSeconds" 10 "failureThreshold" (div (add (int (default 1800 $engine.startupSeconds)) 9) 10))) | nindent 4 }}
+  livenessProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   lifecycle:
     {{- /* SIGTERM reaches both containers at once; the engine must outlive the gate's drain of the
            requests in flight to it (the kubelet's sleep action needs no binary in the image). */}}
@@ -189,4 +197,28 @@
       readOnly: true
     - name: tmp
       mountPath: /tmp
+{{- end -}}
+
+{{/* The engine container's liveness probe as YAML, empty for none: models[].engine.livenessProbe
+     verbatim, none when it is false; else for vllm and sglang (whose images ship python3) an exec
+     probe that asks the engine's /health on loopback. Call with (list $model $port). */}}
+{{- define "batchpilot.gate.engineLiveness" -}}
+{{- $model := index . 0 -}}
+{{- $port := index . 1 -}}
+{{- $engine := $model.engine -}}
+{{- if hasKey $engine "livenessProbe" -}}
+{{- /* The schema admits a probe or false. */}}
+{{- if $engine.livenessProbe -}}
+{{- toYaml $engine.livenessProbe -}}
+{{- end -}}
+{{- else if has $engine.kind (list "vllm" "sglang") -}}
+exec:
+  command:
+    - python3
+    - -c
+    - {{ printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=8)" $port | quote }}
+periodSeconds: 15
+timeoutSeconds: 10
+failureThreshold: 4
+{{- end -}}
 {{- end -}}
