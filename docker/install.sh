@@ -40,7 +40,8 @@ case "$target" in
       $pip install $opts "torch==$torch_version"
     fi
     # torch is already there at the pinned version, so the extra's looser torch range pulls nothing more.
-    $pip install $opts ".[runtime]"
+    # The model extra reads GGUF checkpoints (--checkpoint FILE.gguf, mounted like any checkpoint).
+    $pip install $opts ".[runtime,model]"
     ;;
   *)
     echo "install.sh: target must be operator or runtime, got '$target'" >&2

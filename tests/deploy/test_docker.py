@@ -122,6 +122,8 @@ def _json_list(text: str) -> list[str]:
 
 
 IMAGES = {"operator": DOCKER / "Dockerfile.operator", "runtime": DOCKER / "Dockerfile.runtime"}
+# The extras docker/install.sh installs into each image.
+IMAGE_EXTRAS = {"operator": "operator", "runtime": "runtime,model"}
 
 
 @pytest.mark.parametrize("image", list(IMAGES))
@@ -211,7 +213,7 @@ def _replay_build(image: str, scratch: Path) -> Path:
 
 def _fill_wheelhouse(image: str, source: Path, env: dict[str, str]) -> None:
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
-    requirements = ["setuptools>=68", f"{source}[{image}]"]
+    requirements = ["setuptools>=68", f"{source}[{IMAGE_EXTRAS[image]}]"]
     if image == "runtime":
         requirements.insert(0, "torch==2.13.0")
     env = {k: v for k, v in env.items() if k != "PIP_NO_CACHE_DIR"}
@@ -254,3 +256,5 @@ def test_install_steps_run_in_fresh_venvs(tmp_path: Path) -> None:
     check(runtime, "batchpilot-runtime", "serve", "--help")
     version = check(runtime, "python", "-c", "import torch, fastapi, uvicorn; print(torch.__version__)")
     assert version.startswith("2.13.0"), version
+    # GGUF checkpoints load in the runtime image (the model extra), the weights mounted like any checkpoint.
+    check(runtime, "python", "-c", "import gguf, batchpilot_runtime.model.gguf_checkpoint")
