@@ -37,6 +37,8 @@ from batchpilot_operator.demo.series import (
     summarize_model_phase,
 )
 from batchpilot_operator.demo.settings import (
+    SURGE_END_FRACTION,
+    SURGE_START_FRACTION,
     DemoSettings,
     Surge,
     default_models,
@@ -547,7 +549,7 @@ def test_the_surge_is_in_both_phases_arrivals_at_its_factor() -> None:
     assert [a.requests for a in first] == [a.requests for a in second]
     chat = next(a for a in first if a.model == "chat")
     model = next(m for m in default_models() if m.name == "chat")
-    assert chat.surge == Surge(0.4 * 60.0, 0.7 * 60.0, model.surge_factor)
+    assert chat.surge == Surge(SURGE_START_FRACTION * 60.0, SURGE_END_FRACTION * 60.0, model.surge_factor)
     assert model.surge_factor >= 2.0
     times = [r.arrival_s for r in chat.requests]
     assert len(times) == round(model.arrival_rate_per_s * 60.0)

@@ -64,6 +64,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="skip the real chat model (smollm2-135m-instruct) answering a few questions before the replay",
     )
+    parser.add_argument(
+        "--token-scale",
+        type=float,
+        metavar="X",
+        default=None,
+        help="scale the chat model's prompt lengths and prefill budget by X in (0, 1] (default: from a "
+        "prefill step timed on this host first, so that its surge fits the host)",
+    )
     parser.add_argument("--trace", type=Path, metavar="CSV", default=None, help="a trace in the Azure trace format")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default: 0)")
     parser.set_defaults(handler=_cmd_demo)
@@ -82,6 +90,8 @@ def _reproduce(args: argparse.Namespace, duration_s: float) -> str:
         words += ["--trace", str(args.trace)]
     if args.seed:
         words += ["--seed", str(args.seed)]
+    if args.token_scale is not None:
+        words += ["--token-scale", f"{args.token_scale:g}"]
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -103,6 +113,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         answers=not args.no_answers,
         trace_path=args.trace,
         seed=args.seed,
+        token_scale=args.token_scale,
         command=_reproduce(args, duration_s),
     )
     try:

@@ -456,6 +456,7 @@ def _static_names(report: DemoReport) -> str:
 def render_html(report: DemoReport) -> str:
     run = report.run
     reproduce = f" · reproduce with <code>{_e(run.command)}</code>" if run.command else ""
+    sizing = f" · sized to this host: {_e(run.sizing)}" if run.sizing else ""
     figures = "".join(
         f'<figure id="{anchor}"><figcaption>{_e(caption)}</figcaption>'
         f'<img alt="{_e(caption)}" src="data:image/png;base64,{png}"></figure>'
@@ -474,7 +475,7 @@ Every figure below is in <code>{REPORT_JSON}</code> beside this page.</p>
 <p class="muted">{_e(report.created_at)} · host: {_e(run.host)} · trace: {_e(run.trace)} ·
 replay {_e(format_figure(run.phase_replay_s))} s per phase · wall time {_e(format_figure(run.wall_s))} s ·
 operator metrics from {_e(run.metrics_source)}, every {_e(run.operator_interval_s)} s ·
-demo scrapes every {_e(format_figure(run.scrape_interval_s))} s{reproduce}</p>
+demo scrapes every {_e(format_figure(run.scrape_interval_s))} s{sizing}{reproduce}</p>
 {_answers_section(report)}<h2>Models</h2>{_models_table(report)}
 <h2>Static vs adaptive</h2>
 <p>Latencies are those of each model's SLO metric over the whole phase, read from the runtimes'

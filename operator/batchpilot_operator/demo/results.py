@@ -185,6 +185,7 @@ class DemoRunInfo(_Model):
     trace: str  # the trace file and how it was scaled
     host: str
     command: str = ""  # the command line that reproduces the run
+    sizing: str = ""  # how the chat prompts were sized to the host (demo/sizing.py)
 
 
 class ComparisonRow(_Model):

@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
@@ -72,6 +73,7 @@ from batchpilot_operator.demo.settings import (
     demo_trace_path,
     plan_arrivals,
 )
+from batchpilot_operator.demo.sizing import Sizing, size_to_host
 from batchpilot_runtime.replay.loadgen import LoadSummary, RequestResult, run_load
 
 _REJECTED = ("rejected_429", "rejected_503", "client_error")
@@ -133,8 +135,9 @@ def write_profiles(models: tuple[DemoModel, ...], mode: Mode, folder: Path) -> P
 
 
 class Demo:
-    def __init__(self, settings: DemoSettings, stream: TextIO) -> None:
+    def __init__(self, settings: DemoSettings, stream: TextIO, sizing: Sizing | None = None) -> None:
         self.settings = settings
+        self.sizing = sizing or Sizing(1.0, None, ())
         self.models = settings.effective_models()
         self.stream = stream
         self.out_dir = settings.out_dir
@@ -536,6 +539,7 @@ class Demo:
                 trace=f"{(self.settings.trace_path or demo_trace_path()).name} ({scaling})",
                 host=f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
                 command=self.settings.command,
+                sizing=self.sizing.describe(),
             ),
             models=[
                 DemoModelInfo(
@@ -563,7 +567,15 @@ class Demo:
 
 def run_demo(settings: DemoSettings, stream: TextIO = sys.stdout) -> Path:
     """Run the demo; return the HTML report's path. Children are stopped whatever happens."""
-    demo = Demo(settings, stream)
+    measuring = settings.token_scale is None
+    if measuring:
+        print("timing a prefill step on this host to size the chat prompts...", file=stream, flush=True)
+    settings, sizing = size_to_host(settings)
+    if measuring and sizing.sized:
+        # The command that replays this run replays it at the same size.
+        settings = replace(settings, command=f"{settings.command} --token-scale {sizing.scale:g}".strip())
+    print(f"sizing: {sizing.describe()}", file=stream, flush=True)
+    demo = Demo(settings, stream, sizing)
 
     def kill_leftovers() -> None:
         for child in demo.children:

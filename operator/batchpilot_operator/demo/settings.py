@@ -2,15 +2,17 @@
 
 The two models want different windows. ``chat`` is an interactive assistant with long prompts
 under two SLOs at once, time to first token (``p99Ms``) and the gap between tokens
-(``interTokenP99Ms``); it starts on an engine's defaults (no wait, a cap of 256, a prompt-token
-budget per step of vLLM's 2048 at the trace's token scale), and its arrivals surge to
-``surge_factor`` times their rate for a stretch of each phase. Prefilling up to 1024 prompt
-tokens in one step while others decode is what pushes its inter-token gaps over 40 ms in the
-surge on the 2-core machine the numbers were measured on (a decode-only gap is 5-20 ms at the
-tail there); the operator answers by lowering the budget. ``bulk`` is an offline job under a loose
-SLO, declared highly batch-friendly; it starts on a window tuned for latency (small
-batches), which leaves throughput on the table and queues up in bursts. The static phase
-keeps those windows; the adaptive phase lets the operator retune them.
+(``interTokenP99Ms``); it starts on an engine's defaults (no wait, a cap of 256, vLLM's prompt-token
+budget per step of 2048), and its arrivals surge to ``surge_factor`` times their rate for half of
+each phase. A step that prefills up to 2048 prompt tokens while others decode is what pushes its
+inter-token gaps over 40 ms in the surge (on the 2-core development machine a decode-only step
+takes 2-3 ms, one with a 1024-token prompt 40-50 ms); the operator answers by lowering the budget.
+Its prompts (and the budget with them) are sized to the host before the replay
+(``demo/sizing.py``), so that a loaded or slower host still meets the surge with a budget to
+find. ``bulk`` is an offline job under a loose SLO, declared highly batch-friendly; it starts on
+a window tuned for latency (small batches), which leaves throughput on the table and queues up
+in bursts. The static phase keeps those windows; the adaptive phase lets the operator retune
+them.
 
 Both run the ``tiny`` preset by default: on a small CPU machine the ``small`` preset serves
 too few requests per second for the operator to have enough samples per interval (it
@@ -37,15 +39,16 @@ MIN_DURATION_S = 20.0
 # The first 15 minutes of the Azure conversation trace, shipped with the runtime package
 # (the full trace is not part of a clone); --trace replays another file.
 DEMO_TRACE = "azure_llm_2023_conv_15min.csv"
-# Long enough that each model's rate window holds the policy's 20 samples at the demo's rates.
-OPERATOR_INTERVAL_S = 8
+# Each model's rate window holds the policy's 20 samples in the surge (chat) or throughout (bulk),
+# and the surge lasts nine intervals: a reactive policy needs a few of them to find the budget.
+OPERATOR_INTERVAL_S = 5
 SCRAPE_INTERVAL_S = 1.0
 SERIES_WINDOW_S = 10.0
 ITL_SLO_MS = 40.0
 # Where the surge lies in each phase (shares of its replay): after the operator's first few
 # intervals, and with a calm stretch after it to show what the window does when it ends.
-SURGE_START_FRACTION = 0.4
-SURGE_END_FRACTION = 0.7
+SURGE_START_FRACTION = 0.3
+SURGE_END_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class DemoModel:
     trace_offset_s: float = 0.0  # where in the trace its slice starts (the models see different traffic)
     slo_itl_p99_ms: float | None = None  # slo.interTokenP99Ms: with it the operator tunes maxPrefillTokens
     surge_factor: float = 1.0  # arrival rate during the surge over the rate outside it (1: no surge)
+    size_to_host: bool = False  # scale its tokens to this host's prefill speed (demo/sizing.py)
+    max_step_fraction: float = 0.5  # tuning.maxStepFraction
 
     def profile_manifest(self, mode: Mode, namespace: str = "demo") -> dict[str, Any]:
         """The BatchProfile of this model for one phase (only ``tuning.mode`` differs)."""
@@ -94,7 +99,7 @@ class DemoModel:
                     # Below the interval: ticks come a little early or late, and a cooldown of exactly
                     # one interval would then block every other tick.
                     "cooldownSeconds": OPERATOR_INTERVAL_S - 2,
-                    "maxStepFraction": 0.5,
+                    "maxStepFraction": self.max_step_fraction,
                     "bounds": self.bounds,
                 },
             },
@@ -113,7 +118,7 @@ def default_models() -> tuple[DemoModel, ...]:
             ),
             batch_friendliness="auto",
             window=WindowFields(
-                target_batch_size=1, hard_cap=256, max_wait_ms=0, tail_mark_ratio=2.0, max_prefill_tokens=1024
+                target_batch_size=1, hard_cap=256, max_wait_ms=0, tail_mark_ratio=2.0, max_prefill_tokens=2048
             ),
             window_label="engine defaults",
             slo_p99_ms=500.0,
@@ -125,14 +130,18 @@ def default_models() -> tuple[DemoModel, ...]:
                 "hardCap": {"min": 2, "max": 256},
                 "maxWaitMs": {"min": 0, "max": 500},
                 "tailMarkRatio": {"min": 1.5, "max": 4.0},
-                "maxPrefillTokens": {"min": 64, "max": 1024},
+                "maxPrefillTokens": {"min": 64, "max": 2048},
             },
             arrival_rate_per_s=4.0,
-            token_scale=0.5,
-            max_prompt_tokens=1024,
+            token_scale=1.0,
+            max_prompt_tokens=2048,
             max_output_tokens=24,
             kv_cache_tokens=65536,
             surge_factor=2.5,
+            size_to_host=True,
+            # A budget cut costs nothing but prefill speed: three quarters at a time answer the surge
+            # within two intervals (a 2048-token start reaches ~400 in 2, against 3-4 at a half).
+            max_step_fraction=0.75,
         ),
         DemoModel(
             name="bulk",
@@ -175,11 +184,14 @@ class DemoSettings:
     trace_path: Path | None = None
     seed: int = 0
     ready_timeout_s: float = 180.0
+    token_scale: float | None = None  # of the models sized to the host; None: measured (demo/sizing.py)
     command: str = ""  # how the demo was started, for the report
 
     def __post_init__(self) -> None:
         if not self.duration_s >= MIN_DURATION_S:
             raise ValueError(f"--duration must be at least {MIN_DURATION_S:g} seconds, got {self.duration_s:g}")
+        if self.token_scale is not None and not 0.0 < self.token_scale <= 1.0:
+            raise ValueError(f"--token-scale must be in (0, 1], got {self.token_scale:g}")
 
     @property
     def phase_replay_s(self) -> float:
