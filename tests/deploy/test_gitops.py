@@ -8,6 +8,7 @@ chart accepts.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,11 @@ from .tools import (
     find,
     helm_template,
     kustomize,
+    kubectl_path,
     load_documents,
     one,
     parse_operator_container,
+    run,
 )
 
 OVERLAYS = ("dev", "production")
@@ -104,6 +107,23 @@ def test_production_runs_two_peered_operators_without_overlap(built: dict[str, l
     one(docs, "CustomResourceDefinition", "clusterkopfpeerings.kopf.dev")
     # The Secret comes from the cluster's secret manager, not from the repository.
     assert not find(docs, "Secret")
+
+
+def test_production_fails_to_build_if_the_base_arguments_move(tmp_path: Path) -> None:
+    """The production overlay replaces kopf's peering flag by its index among the arguments; if the
+    base's arguments move, its test op fails the build instead of replacing another flag."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    deployment = copy / "base" / "deployment.yaml"
+    text = deployment.read_text()
+    assert "            - --all-namespaces\n            - --peering=off\n" in text
+    deployment.write_text(
+        text.replace(
+            "- --all-namespaces\n            - --peering=off", "- --peering=off\n            - --all-namespaces"
+        )
+    )
+    result = run([kubectl_path(), "kustomize", copy / "overlays" / "production"], check=False)
+    assert result.returncode != 0 and "test" in result.stderr.lower(), result.stderr
 
 
 def test_dev_overlay_brings_its_own_token(built: dict[str, list[dict[str, Any]]]) -> None:
