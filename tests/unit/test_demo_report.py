@@ -144,6 +144,7 @@ def make_report() -> DemoReport:
                 "operator_interval_s": 5,
                 "trace": "azure_llm_2023_conv.csv, time x40",
                 "host": "test",
+                "sizing": "chat tokens x0.65: a 1024-token prefill step took 180.0 ms here",
             },
             "models": [
                 {
@@ -251,6 +252,7 @@ def test_report_names_both_slos_the_static_window_the_surge_and_the_budget(writt
     assert "ttft P99 ≤ 840 ms; inter-token P99 ≤ 50 ms" in text
     assert "engine defaults: target 8, cap 16, wait 50 ms" in text
     assert "surge x2.5 from 8 s to 14 s" in text
+    assert "sized to this host: chat tokens x0.65: a 1024-token prefill step took 180.0 ms here" in text
     assert "static</code>: chat: engine defaults; bulk: the profile&#x27;s starting window" in text
     # The decision's budget is printed in its own cell, as stored.
     budgets = [(c, t) for c, t in parse_cells(text).cells if "budget-at" in c]
