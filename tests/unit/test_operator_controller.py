@@ -2,44 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
 
 import pytest
 
-from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.control.status import apply_merge_patch
 from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
-from batchpilot_operator.io.push import AdminClient
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
-from tests.integration.fake_admin import FakeAdminServer, closed_port_url
+from tests.integration.fake_admin import closed_port_url
+from tests.support.controller_harness import ControllerHarness, controller_harness
 from tests.support.factories import make_spec_dict
-
-
-class MemorySink:
-    def __init__(self) -> None:
-        self.status: dict[str, dict[str, Any]] = {}
-        self.events: list[tuple[str, str, str, str]] = []
-        self.fail_patches = 0
-        self.patches = 0
-
-    async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
-        if self.fail_patches > 0:
-            self.fail_patches -= 1
-            raise RuntimeError("409 Conflict: the object has been modified")
-        self.patches += 1
-        self.status[ref.key] = apply_merge_patch(self.status.get(ref.key), patch)
-
-    async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
-        self.events.append((ref.key, type_, reason, message))
-
-    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
-        return "secret"
-
-    def reasons(self, key: str) -> list[str]:
-        return [reason for k, _, reason, _ in self.events if k == key]
 
 
 class FakeSource:
@@ -73,53 +45,14 @@ class FakeSource:
         return builder.build()
 
 
-class Harness:
-    def __init__(self, fake: FakeAdminServer, controller: Controller, sink: MemorySink, source: FakeSource) -> None:
-        self.fake, self.controller, self.sink, self.source = fake, controller, sink, source
-        self.now = 1000.0
-
-    async def tick(self) -> None:
-        self.now += 1.0
-        await self.controller.tick()
-        await self.controller.drain_events()
-
-    def add_pod(self, pod_id: str, model: str = "chat", *, admin_url: str | None = None) -> PodRecord:
-        if pod_id not in self.fake.pods:
-            self.fake.add_pod(pod_id, model=model, max_hard_cap=64)
-        pod = PodRecord(
-            "ml", f"{model}-{pod_id}", {"app": model}, ip="127.0.0.1", ready=True,
-            admin_url=admin_url or self.fake.admin_url(pod_id), uid=f"uid-{pod_id}",
-        )  # fmt: skip
-        self.controller.upsert_pod(pod)
-        return pod
-
-    def status(self, name: str = "chat") -> dict[str, Any]:
-        return self.sink.status[f"ml/{name}"]
-
-    def condition(self, type_: str, name: str = "chat") -> dict[str, Any]:
-        return next(c for c in self.status(name)["conditions"] if c["type"] == type_)
+class Harness(ControllerHarness[FakeSource]):
+    pass
 
 
 @pytest.fixture
 async def h() -> AsyncIterator[Harness]:
-    async def no_sleep(_: float) -> None:
-        await asyncio.sleep(0)
-
-    async with FakeAdminServer(0) as fake:
-        sink, source = MemorySink(), FakeSource()
-        admin = AdminClient(timeout_s=0.5, retries=2, backoff_s=0.01, sleep=no_sleep)
-        harness: Harness
-        controller = Controller(
-            Settings(interval_override_s=1.0, default_token="secret", default_token_namespaces=frozenset({"ml"})),
-            source,
-            admin,
-            sink,
-            wall_clock=lambda: harness.now,
-            monotonic=lambda: harness.now,
-        )
-        harness = Harness(fake, controller, sink, source)
+    async with controller_harness(FakeSource(), Harness) as harness:
         yield harness
-        await admin.aclose()
 
 
 async def test_new_profile_pushes_spec_window_and_reports_synced(h: Harness) -> None:

@@ -3,7 +3,6 @@ latency, an in-memory API."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
@@ -12,13 +11,11 @@ import pytest
 
 from batchpilot_operator.control.controller import Controller, PodRecord, Settings
 from batchpilot_operator.io.observe import MetricsBuilder, ModelKey, ModelMetrics
-from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.io.scrape import ScrapeSource
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
-from tests.integration.fake_admin import FakeAdminServer
+from tests.support.controller_harness import ControllerHarness, controller_harness
 from tests.support.factories import make_spec_dict
-from tests.unit.test_operator_controller import MemorySink
 
 PODS = ("0", "1", "2", "3")
 
@@ -64,29 +61,7 @@ class PodLatencySource:
         return answer
 
 
-class Harness:
-    def __init__(self, fake: FakeAdminServer, controller: Controller, sink: MemorySink, source: PodLatencySource):
-        self.fake, self.controller, self.sink, self.source = fake, controller, sink, source
-        self.now = 1000.0
-
-    async def tick(self) -> None:
-        self.now += 1.0
-        await self.controller.tick()
-        await self.controller.drain_events()
-
-    def add_pod(self, pod_id: str) -> PodRecord:
-        if pod_id not in self.fake.pods:
-            self.fake.add_pod(pod_id, model="chat", max_hard_cap=64)
-        pod = PodRecord(
-            "ml", f"chat-{pod_id}", {"app": "chat"}, ip="127.0.0.1", ready=True,
-            admin_url=self.fake.admin_url(pod_id), uid=f"uid-{pod_id}",
-        )  # fmt: skip
-        self.controller.upsert_pod(pod)
-        return pod
-
-    def status(self) -> dict[str, Any]:
-        return self.sink.status["ml/chat"]
-
+class Harness(ControllerHarness[PodLatencySource]):
     def window(self, pod_id: str) -> Window:
         return self.fake.pods[pod_id].state.window
 
@@ -102,24 +77,8 @@ class Harness:
 
 @pytest.fixture
 async def h() -> AsyncIterator[Harness]:
-    async def no_sleep(_: float) -> None:
-        await asyncio.sleep(0)
-
-    async with FakeAdminServer(0) as fake:
-        sink, source = MemorySink(), PodLatencySource()
-        admin = AdminClient(timeout_s=0.5, retries=2, backoff_s=0.01, sleep=no_sleep)
-        harness: Harness
-        controller = Controller(
-            Settings(interval_override_s=1.0, default_token="secret", default_token_namespaces=frozenset({"ml"})),
-            source,
-            admin,
-            sink,
-            wall_clock=lambda: harness.now,
-            monotonic=lambda: harness.now,
-        )
-        harness = Harness(fake, controller, sink, source)
+    async with controller_harness(PodLatencySource(), Harness) as harness:
         yield harness
-        await admin.aclose()
 
 
 def canary_spec(**canary: Any) -> dict[str, Any]:

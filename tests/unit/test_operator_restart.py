@@ -23,8 +23,8 @@ from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.tuning.policy import PolicyState
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, batch_bucket
 from tests.integration.fake_admin import FakeAdminServer
+from tests.support.controller_harness import MemorySink
 from tests.support.factories import make_spec_dict
-from tests.unit.test_operator_controller import MemorySink
 
 KV_SEQS = 40
 DEMAND = 48
