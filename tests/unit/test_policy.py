@@ -156,27 +156,28 @@ def test_with_both_tails_tight_the_budget_moves_only_as_far_as_balances_them() -
     # First tokens further over than the gaps: a cut would move the pain to the worse tail.
     decision = decide(spec, window, make_observations(1.3, itl_p99_s=0.110), PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 2048
-    # First tokens over, gaps within but close: raised to balance, never past the gap target.
+    # First tokens over, gaps within but close: raised to balance, never past 98 % of the gap target.
     decision = decide(spec, window, make_observations(1.4, itl_p99_s=0.080), PolicyState(), 100.0)
-    assert decision.window.max_prefill_tokens == math.floor(2048 / 0.8)
+    assert decision.window.max_prefill_tokens == math.floor(2048 * 0.98 / 0.8)
 
 
 def test_first_tokens_over_spend_the_gaps_room_at_the_steps_own_cost_per_prompt_token() -> None:
     spec, window = itl_spec(budget=1000)
     # First tokens 2x over, gaps at 80 of 100 ms (balance sqrt(2 / 0.8) = 1.58). A prompt token costs
-    # 50 us, so the 20 ms left under the target buy 400 tokens: 1400, where a gap read as proportional
-    # to the budget (its decodes' part counted as prompt) allows only 1000 / 0.8 = 1250.
+    # 50 us, so the 18 ms left under 98 ms buy 360 tokens: 1360, where a gap read as proportional
+    # to the budget (its decodes' part counted as prompt) allows only 1000 x 0.98 / 0.8 = 1225.
     room = make_observations(2.0, itl_p99_s=0.080, prefill_s_per_token=0.00005)
     assert gap_room_factor(spec, room, 1000, 1.0, 0.8) == pytest.approx(1.4)
     assert gap_room_factor(spec, room, 1000, 0.95, 0.8) == pytest.approx(1.3)  # a lower aim, less room
-    assert decide(spec, window, room, PolicyState(), 100.0).window.max_prefill_tokens == 1400
+    assert decide(spec, window, room, PolicyState(), 100.0).window.max_prefill_tokens == 1360
     # Without that cost the proportional reading stands.
     unknown = make_observations(2.0, itl_p99_s=0.080)
     assert gap_room_factor(spec, unknown, 1000, 1.0, 0.8) == pytest.approx(1.0 / 0.8)
-    assert decide(spec, window, unknown, PolicyState(), 100.0).window.max_prefill_tokens == 1250
-    # Gaps at their target: no room, no raise however late the first tokens are.
-    full = make_observations(2.0, itl_p99_s=0.100, prefill_s_per_token=0.00005)
-    assert gap_room_factor(spec, full, 1000, 1.0, 1.0) == 1.0
+    # 1000 x 0.98 / 0.8 = 1225 in exact arithmetic; the float product floors to 1224.
+    assert decide(spec, window, unknown, PolicyState(), 100.0).window.max_prefill_tokens == pytest.approx(1225, abs=1)
+    # Gaps at 98 % of their target: no room, no raise however late the first tokens are.
+    full = make_observations(2.0, itl_p99_s=0.098, prefill_s_per_token=0.00005)
+    assert gap_room_factor(spec, full, 1000, 0.98, 0.98) == 1.0
     assert decide(spec, window, full, PolicyState(), 100.0).window.max_prefill_tokens == 1000
 
 

@@ -80,8 +80,8 @@ time (as the memory ceiling of the cap does), because the gap's P99 is set by th
 prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
 70 % of their target while first tokens are past 50 % of theirs (towards the 85 % point), or
 when first tokens are over while the gaps are within target (towards the balance, never past
-the gap target), by at most the step limit and never past the ceiling. How many tokens
-the room under the target buys is read from a prompt token's step cost
+98 % of the gap target), by at most the step limit and never past the ceiling. How many tokens
+the room under 98 % buys is read from a prompt token's step cost
 (``Observations.prefill_s_per_token``): only the prompt part of a gap grows with the budget. For a
 first-token SLO a raise also stops at the prompt tokens one step prefills within the first-token
 target: a request that arrives as a step starts waits for that step to end, so a longer step
