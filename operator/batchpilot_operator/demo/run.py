@@ -567,12 +567,11 @@ class Demo:
 
 def run_demo(settings: DemoSettings, stream: TextIO = sys.stdout) -> Path:
     """Run the demo; return the HTML report's path. Children are stopped whatever happens."""
-    measuring = settings.token_scale is None
-    if measuring:
+    if settings.token_scale is None:
         print("timing a prefill step on this host to size the chat prompts...", file=stream, flush=True)
     settings, sizing = size_to_host(settings)
-    if measuring and sizing.sized:
-        # The command that replays this run replays it at the same size.
+    if sizing.step_s is not None:
+        # Measured here: the command that replays this run replays it at the same size.
         settings = replace(settings, command=f"{settings.command} --token-scale {sizing.scale:g}".strip())
     print(f"sizing: {sizing.describe()}", file=stream, flush=True)
     demo = Demo(settings, stream, sizing)
