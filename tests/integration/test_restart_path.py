@@ -19,13 +19,13 @@ import kubernetes_validate
 import pytest
 
 from batchpilot_operator.control import restart as restart_mod
-from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.control.controller import Controller, PodRecord, Settings
 from batchpilot_operator.io.kube import FIELD_MANAGER, KubeClient, KubeConfig
 from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.tuning import policy as policy_mod
 from tests.deploy.tools import KUBERNETES_VERSION
 from tests.integration.kmock_cluster import DEPLOYMENTS, KubeCluster, running_cluster
+from tests.support.controller_harness import MemorySink
 from tests.support.factories import make_spec_dict
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -72,31 +72,11 @@ class Clock:
 
 
 @dataclasses.dataclass
-class Recorder:
-    """The controller's sink: status as the merge patches build it, and the Events."""
-
-    status: dict[str, Any] = dataclasses.field(default_factory=dict)
-    events: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
-
-    async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
-        self.status = apply_merge_patch(self.status, patch)
-
-    async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
-        self.events.append((type_, reason, message))
-
-    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
-        return None
-
-    def reasons(self, reason: str) -> list[str]:
-        return [message for _, r, message in self.events if r == reason]
-
-
-@dataclasses.dataclass
 class Env:
     cluster: KubeCluster
     api: httpx.AsyncClient
     controller: Controller
-    sink: Recorder
+    sink: MemorySink
     clock: Clock
     script: list[int]  # the recommended cap per interval, the last one repeated
 
@@ -123,8 +103,12 @@ class Env:
         containers = self.workload()["spec"]["template"]["spec"]["containers"]
         return list(next(c for c in containers if c["name"] == container)["args"])
 
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.sink.status["ml/chat"]
+
     def condition(self, type_: str) -> dict[str, Any]:
-        return next(c for c in self.sink.status["conditions"] if c["type"] == type_)
+        return next(c for c in self.status["conditions"] if c["type"] == type_)
 
 
 def scripted_policy(script: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +143,7 @@ async def env(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Callable[..., An
             api = httpx.AsyncClient(base_url=url, timeout=10)
             created = await api.post(f"{DEPLOYMENT_PATH}?fieldManager=argocd-controller", json=deployment())
             assert created.status_code in (200, 201), created.text
-            client, admin, clock, sink = KubeClient(KubeConfig.for_server(url)), AdminClient(), Clock(), Recorder()
+            client, admin, clock, sink = KubeClient(KubeConfig.for_server(url)), AdminClient(), Clock(), MemorySink()
             envs.append((client, admin, api))
             scripted_policy(script, monkeypatch)
             controller = Controller(
@@ -209,18 +193,18 @@ async def test_a_retune_held_three_intervals_patches_only_the_args_under_batchpi
     assert "f:image" in container_fields(fields_of(after, "argocd-controller"), "vllm")
     kubernetes_validate.validate(after, KUBERNETES_VERSION, strict=True)
 
-    restart = e.sink.status["restart"]
+    restart = e.status["restart"]
     assert restart["workload"] == "Deployment/chat"
     assert restart["appliedArgs"] == {CAP: 192, "--max-num-batched-tokens": 4096}
     assert (restart["lastAt"], restart["count24h"]) == ("2026-12-01T00:30:00Z", 1)
     assert restart["nextAllowedAt"] == "2026-12-01T01:30:00Z"  # minIntervalSeconds 3600
-    assert [m for m in e.sink.reasons("Restarted")] == [
+    assert [m for m in e.sink.messages("Restarted")] == [
         "Deployment/chat restarted with --max-num-seqs 192 --max-num-batched-tokens 4096: "
         "--max-num-seqs 128 -> 192 (held 3 intervals)"
     ]
     assert e.condition("Synced")["reason"] == "Restarted"
     await e.tick()
-    assert e.sink.status["window"]["hardCap"] == 192  # the window in force is what the workload now runs
+    assert e.status["window"]["hardCap"] == 192  # the window in force is what the workload now runs
     assert e.condition("Synced")["reason"] == "WorkloadRuns"
 
 
@@ -233,7 +217,7 @@ async def test_a_flapping_recommendation_restarts_no_more_than_the_budget(env: A
         await e.tick()
         if e.args() != before:
             restarts.append(e.clock.now)
-    assert len(e.sink.reasons("Restarted")) == len(restarts)
+    assert len(e.sink.messages("Restarted")) == len(restarts)
     for index, moment in enumerate(restarts):
         assert sum(1 for t in restarts if moment - 86_400 < t <= moment) <= 3
         assert index == 0 or moment - restarts[index - 1] >= 7200
@@ -244,12 +228,12 @@ async def test_allowed_hours_defer_a_restart_to_the_window(env: Any) -> None:
     e: Env = await env([256], stableIntervals=1, allowedHours={"start": "02:00", "end": "04:00"})
     await e.tick()
     assert e.args() == ARGS
-    assert e.sink.status["restart"]["nextAllowedAt"] == "2026-12-01T02:00:00Z"
+    assert e.status["restart"]["nextAllowedAt"] == "2026-12-01T02:00:00Z"
     while e.clock.now < START + 2 * 3600 - INTERVAL_S:
         await e.tick()
         assert e.args() == ARGS
     await e.tick()
-    assert e.sink.status["restart"]["lastAt"] == "2026-12-01T02:00:00Z"
+    assert e.status["restart"]["lastAt"] == "2026-12-01T02:00:00Z"
 
 
 async def sync_with_put(e: Env) -> None:
@@ -284,8 +268,8 @@ async def test_a_gitops_sync_that_undoes_a_retune_is_reported_and_not_fought(env
         in (synced["message"])
     )
     assert "field manager batchpilot" in synced["message"]
-    assert e.sink.status["restart"]["revertedAt"] == "2026-12-01T00:20:00Z"
-    assert len(e.sink.reasons("RetuneReverted")) == 1
+    assert e.status["restart"]["revertedAt"] == "2026-12-01T00:20:00Z"
+    assert len(e.sink.messages("RetuneReverted")) == 1
     # The recommendation still stands; the operator re-applies only when the budget allows (2 h after the first),
     # and every sync that undoes it is reported, never more than maxPerDay re-applies in a day.
     applied_at = []
@@ -296,8 +280,8 @@ async def test_a_gitops_sync_that_undoes_a_retune_is_reported_and_not_fought(env
             applied_at.append(e.clock.now)
             await sync(e)
     assert applied_at == [START + 7200 + INTERVAL_S]  # the budget's second restart; the third waits a day
-    assert len(e.sink.reasons("RetuneReverted")) == 2
-    assert e.sink.status["restart"]["count24h"] == 2
+    assert len(e.sink.messages("RetuneReverted")) == 2
+    assert e.status["restart"]["count24h"] == 2
 
 
 async def test_batchpilot_owns_no_field_git_sets_unless_it_changes_them(env: Any) -> None:
@@ -312,25 +296,25 @@ async def test_batchpilot_owns_no_field_git_sets_unless_it_changes_them(env: Any
 async def test_a_new_operator_keeps_the_budget_from_status(env: Any) -> None:
     e: Env = await env([192, 256], stableIntervals=1, maxPerDay=2, minIntervalSeconds=7200)
     await e.tick()
-    assert e.sink.status["restart"]["count24h"] == 1
+    assert e.status["restart"]["count24h"] == 1
     # A new operator (kopf hands it the status as written) with the same workloads client.
     successor = Controller(
         Settings(interval_override_s=INTERVAL_S), None, e.controller.admin, e.sink,
         wall_clock=e.clock, monotonic=e.clock, workloads=e.controller.restart.workloads,
     )  # fmt: skip
     successor.upsert_profile("ml", "chat", profile_spec(stableIntervals=1, maxPerDay=2, minIntervalSeconds=7200),
-                             generation=1, status=copy.deepcopy(e.sink.status))  # fmt: skip
+                             generation=1, status=copy.deepcopy(e.status))  # fmt: skip
     for index in range(2):
         successor.upsert_pod(PodRecord("ml", f"chat-{index}", {"app": "chat"}, ready=True, uid=f"u{index}"))
     e.controller = successor
     await e.tick()
     assert e.args()[e.args().index(CAP) + 1] == "192"  # 256 is recommended, but the last restart was 10 min ago
-    assert e.sink.status["restart"]["nextAllowedAt"] == "2026-12-01T02:10:00Z"
-    assert e.sink.status["restart"]["history"] == ["2026-12-01T00:10:00Z"]
+    assert e.status["restart"]["nextAllowedAt"] == "2026-12-01T02:10:00Z"
+    assert e.status["restart"]["history"] == ["2026-12-01T00:10:00Z"]
     while e.clock.now < START + 7200 + INTERVAL_S:
         await e.tick()
     assert e.args()[e.args().index(CAP) + 1] == "256"
-    assert e.sink.status["restart"]["count24h"] == 2
+    assert e.status["restart"]["count24h"] == 2
 
 
 def scripted_slo(script: list[bool | None], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,11 +329,11 @@ def scripted_slo(script: list[bool | None], monkeypatch: pytest.MonkeyPatch) -> 
 async def test_no_restart_and_no_judgement_while_the_last_one_rolls_out(env: Any) -> None:
     e: Env = await env([192, 256], stableIntervals=1, maxPerDay=4, minIntervalSeconds=600)
     await e.tick()
-    assert e.sink.status["restart"]["count24h"] == 1
+    assert e.status["restart"]["count24h"] == 1
     for _ in range(3):  # 256 is worth a restart and the budget allows one, but the rollout is not done
         await e.tick(rolled_out=False)
         assert e.condition("Synced")["reason"] == "RollingOut"
-    assert e.sink.status["restart"]["previousArgs"] == {CAP: 128, "--max-num-batched-tokens": 4096}
+    assert e.status["restart"]["previousArgs"] == {CAP: 128, "--max-num-batched-tokens": 4096}
     await e.tick()
     assert e.args()[e.args().index(CAP) + 1] == "256"
 
@@ -362,12 +346,12 @@ async def test_a_restart_that_breaks_the_slo_it_met_is_rolled_back(env: Any, mon
     assert e.args()[e.args().index(CAP) + 1] == "192"
     await e.tick()  # the first interval after the rollout: the SLO broke
     assert e.args() == ARGS  # the args before the restart, 10 minutes later (minIntervalSeconds does not hold it)
-    (message,) = e.sink.reasons("RestartRolledBack")
+    (message,) = e.sink.messages("RestartRolledBack")
     assert "the SLO broke after the restart with --max-num-seqs 192 --max-num-batched-tokens 4096" in message
     assert "rolled back to --max-num-seqs 128 --max-num-batched-tokens 4096" in message
     assert e.condition("Synced")["reason"] == "RolledBack"
-    assert e.sink.status["restart"]["count24h"] == 2
-    assert "previousArgs" not in e.sink.status["restart"]
+    assert e.status["restart"]["count24h"] == 2
+    assert "previousArgs" not in e.status["restart"]
     kubernetes_validate.validate(e.workload(), KUBERNETES_VERSION, strict=True)
     # The same change is not tried again for a day, although the budget would allow it and it is still recommended.
     for _ in range(30):
@@ -384,5 +368,5 @@ async def test_a_restart_made_while_the_slo_was_broken_is_kept(env: Any, monkeyp
     for _ in range(4):
         await e.tick()
     assert e.args()[e.args().index(CAP) + 1] == "192"
-    assert e.sink.reasons("RestartRolledBack") == []
-    assert "previousArgs" not in e.sink.status["restart"]  # judged for stableIntervals intervals, then kept
+    assert e.sink.messages("RestartRolledBack") == []
+    assert "previousArgs" not in e.status["restart"]  # judged for stableIntervals intervals, then kept

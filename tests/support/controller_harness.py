@@ -39,6 +39,9 @@ class MemorySink:
     def reasons(self, key: str) -> list[str]:
         return [reason for k, _, reason, _ in self.events if k == key]
 
+    def messages(self, reason: str) -> list[str]:
+        return [message for _, _, r, message in self.events if r == reason]
+
 
 SourceT = TypeVar("SourceT")
 

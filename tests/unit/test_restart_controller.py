@@ -4,15 +4,14 @@ condition's, with one Warning Event per new message, and nothing is written."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
-from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.control.status import apply_merge_patch
+from batchpilot_operator.control.controller import Controller, PodRecord, Settings
 from batchpilot_operator.io.kube import KubeError
 from batchpilot_operator.io.push import AdminClient
+from tests.support.controller_harness import MemorySink
 from tests.support.factories import make_spec_dict
 
 SPEC = make_spec_dict(
@@ -21,21 +20,6 @@ SPEC = make_spec_dict(
     tuning={"mode": "restart"},
     restart={"workload": {"kind": "StatefulSet", "name": "chat", "container": "vllm"}},
 )
-
-
-@dataclasses.dataclass
-class Recorder:
-    status: dict[str, Any] = dataclasses.field(default_factory=dict)
-    events: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
-
-    async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
-        self.status = apply_merge_patch(self.status, patch)
-
-    async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
-        self.events.append((type_, reason, message))
-
-    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
-        return None
 
 
 @dataclasses.dataclass
@@ -58,8 +42,8 @@ class Workloads:
         return {}
 
 
-async def run(workloads: Workloads | None, ticks: int = 2) -> tuple[Recorder, dict[str, Any]]:
-    sink, admin, now = Recorder(), AdminClient(), [1_796_083_200.0]
+async def run(workloads: Workloads | None, ticks: int = 2) -> tuple[dict[str, Any], MemorySink, dict[str, Any]]:
+    sink, admin, now = MemorySink(), AdminClient(), [1_796_083_200.0]
     controller = Controller(
         Settings(interval_override_s=60), None, admin, sink,
         wall_clock=lambda: now[0], monotonic=lambda: now[0], workloads=workloads,
@@ -71,8 +55,9 @@ async def run(workloads: Workloads | None, ticks: int = 2) -> tuple[Recorder, di
         await controller.tick()
         await controller.drain_events()
     await admin.aclose()
-    synced = next(c for c in sink.status["conditions"] if c["type"] == "Synced")
-    return sink, synced
+    status = sink.status["ml/chat"]
+    synced = next(c for c in status["conditions"] if c["type"] == "Synced")
+    return status, sink, synced
 
 
 @pytest.mark.parametrize(
@@ -89,23 +74,23 @@ async def run(workloads: Workloads | None, ticks: int = 2) -> tuple[Recorder, di
     ],
 )
 async def test_a_workload_that_cannot_be_restarted_is_named_once(workloads: Workloads, reason: str, text: str) -> None:
-    sink, synced = await run(workloads)
+    status, sink, synced = await run(workloads)
     assert (synced["status"], synced["reason"]) == ("False", reason)
     assert text in synced["message"]
-    assert [e for e in sink.events if e[1] == reason] == [("Warning", reason, synced["message"])]
+    assert [e for e in sink.events if e[2] == reason] == [("ml/chat", "Warning", reason, synced["message"])]
     assert workloads.applied == []
-    assert sink.status["restart"]["workload"] == "StatefulSet/chat"
-    assert sink.status["pods"]["synced"] == 0
+    assert status["restart"]["workload"] == "StatefulSet/chat"
+    assert status["pods"]["synced"] == 0
 
 
 async def test_without_a_cluster_restart_mode_says_so() -> None:
-    _, synced = await run(None, ticks=1)
+    _, _, synced = await run(None, ticks=1)
     assert (synced["status"], synced["reason"]) == ("False", "NoCluster")
 
 
 async def test_a_workload_that_runs_the_window_is_synced_and_the_window_follows_its_args() -> None:
     workloads = Workloads(container={"name": "vllm", "args": ["--max-num-seqs=48", "--max-num-batched-tokens", "512"]})
-    sink, synced = await run(workloads)
+    status, _, synced = await run(workloads)
     assert (synced["status"], synced["reason"]) == ("True", "WorkloadRuns")
-    assert (sink.status["window"]["hardCap"], sink.status["window"]["maxPrefillTokens"]) == (48, 512)
-    assert sink.status["pods"]["summary"] == "1/1"
+    assert (status["window"]["hardCap"], status["window"]["maxPrefillTokens"]) == (48, 512)
+    assert status["pods"]["summary"] == "1/1"
