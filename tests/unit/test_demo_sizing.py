@@ -16,6 +16,7 @@ from batchpilot_operator.demo.sizing import (
     MIN_TOKEN_SCALE,
     REFERENCE_STEP_S,
     Sizing,
+    models_to_size,
     size_to_host,
     sized,
     token_scale_for,
@@ -100,6 +101,13 @@ def test_another_preset_is_not_sized(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     settings = DemoSettings(duration_s=40, out_dir=tmp_path, live=False, preset_override="small")
     resized, done = size_to_host(settings)
     assert done.sized == () and resized == settings
+    assert models_to_size(settings) == []  # so the demo does not announce a timing it skips
+
+
+def test_the_default_demo_sizes_its_chat_model_only(tmp_path: Path) -> None:
+    settings = DemoSettings(duration_s=40, out_dir=tmp_path, live=False)
+    assert [m.name for m in models_to_size(settings)] == [m.name for m in default_models() if m.size_to_host]
+    assert len(models_to_size(settings)) == 1
 
 
 def test_the_reference_step_runs_here_in_each_runtimes_place() -> None:

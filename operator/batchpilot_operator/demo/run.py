@@ -73,7 +73,7 @@ from batchpilot_operator.demo.settings import (
     demo_trace_path,
     plan_arrivals,
 )
-from batchpilot_operator.demo.sizing import Sizing, size_to_host
+from batchpilot_operator.demo.sizing import Sizing, models_to_size, size_to_host
 from batchpilot_runtime.replay.loadgen import LoadSummary, RequestResult, run_load
 
 _REJECTED = ("rejected_429", "rejected_503", "client_error")
@@ -567,7 +567,7 @@ class Demo:
 
 def run_demo(settings: DemoSettings, stream: TextIO = sys.stdout) -> Path:
     """Run the demo; return the HTML report's path. Children are stopped whatever happens."""
-    if settings.token_scale is None:
+    if settings.token_scale is None and models_to_size(settings):
         print("timing a prefill step on this host to size the chat prompts...", file=stream, flush=True)
     settings, sizing = size_to_host(settings)
     if sizing.step_s is not None:

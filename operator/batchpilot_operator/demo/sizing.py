@@ -137,12 +137,17 @@ class Sizing:
         )
 
 
+def models_to_size(settings: DemoSettings) -> list[DemoModel]:
+    """The models whose tokens follow this host's speed: those that ask for it, on the reference
+    preset (the reference time is that preset's)."""
+    return [m for m in settings.effective_models() if m.size_to_host and m.preset == REFERENCE_PRESET]
+
+
 def size_to_host(settings: DemoSettings) -> tuple[DemoSettings, Sizing]:
     """``settings`` with the models that ask for it sized to this host (measured unless
-    ``settings.token_scale`` is given), and what was done. Only the reference preset is measured:
-    the reference time is that preset's."""
+    ``settings.token_scale`` is given), and what was done."""
     models = settings.effective_models()
-    wanted = [m for m in models if m.size_to_host and m.preset == REFERENCE_PRESET]
+    wanted = models_to_size(settings)
     if not wanted:
         return settings, Sizing(1.0, None, ())
     step_s: float | None = None
