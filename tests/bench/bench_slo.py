@@ -18,17 +18,20 @@ Policies:
 - ``best_static``: the best window in hindsight, searched over cap x budget (wait 0: under continuous
   batching a wait only delays an admission into a step that runs anyway, see docs/policy.md)
   at this cell's own capacity;
-- ``tuned_elsewhere``: the best static window of the *other* replay applied here (a window tuned on
-  one day and kept on another);
+- ``tuned_elsewhere``: the best static window of another replay applied here (a window tuned on
+  one day and kept on another): on each ServeGen day the other day's (another day of the same
+  model), on the Azure replay the drifting day's (another trace);
 - ``per_step_itl``: the other form the budget could take: each step prefills what fits in 95 % of
   the inter-token target after its decodes (unlimited when nothing decodes), cap 256, no wait.
   It reads the step costs from the cost model itself, an oracle a live engine would have to
   learn online: a reference for the token-form budget ``adaptive`` tunes, not a deployable policy.
 
-Replays: the shared Azure conversation trace (first 30 minutes; 10 with ``--quick``), and a day
-compressed from the shared ServeGen data (m-large, the day whose prompt lengths drift most: the
-same number of minutes taken from the middle of each of its four 6-hour windows, at the Azure
-replay's mean rate), whose prompt P50 moves about 8x over the replay. Also a step-cost change: the
+Replays: the shared Azure conversation trace (first 30 minutes; 10 with ``--quick``), and two days
+compressed from the shared ServeGen data (m-large; the same number of minutes taken from the middle
+of each of a day's four 6-hour windows, at the Azure replay's mean rate): the day whose prompt
+lengths drift most (its prompt P50 moves about 8x over the replay) and the day whose prompt lengths
+drift least (without ``--quick``), the day a window could have been tuned on before the drift. Also
+a step-cost change: the
 Azure replay with every step 1.5x as long from its midpoint (a heavier model version at the same
 batch), run under ``adaptive`` at 90 % of its post-change capacity, reporting how many intervals
 both tails take to come back under the SLO.
@@ -78,6 +81,12 @@ PER_STEP_WINDOW = Window(target_batch_size=1, hard_cap=256, max_wait_ms=0)
 PER_STEP_FRACTION = 0.95
 STEP_COST_FACTOR = 1.5
 RECOVERY_RUN = 4
+# Where each replay's tuned_elsewhere window comes from: the first of these replays that ran.
+ELSEWHERE = {
+    "azure": ("servegen_drift",),
+    "servegen_drift": ("servegen_steady", "azure"),
+    "servegen_steady": ("servegen_drift",),
+}
 
 
 def grid(quick: bool) -> list[Window]:
@@ -167,12 +176,15 @@ def run_job(job: Job) -> dict[str, Any]:
     }
 
 
-def servegen_day(minutes: float, mean_rate_per_s: float, seed: int = 0) -> tuple[list[TraceRequest], dict[str, Any]]:
-    """The drifting day of m-large, compressed: ``minutes / 4`` from the middle of each 6-hour window."""
+def servegen_day(
+    minutes: float, mean_rate_per_s: float, seed: int = 0, *, steady: bool = False
+) -> tuple[list[TraceRequest], dict[str, Any]]:
+    """A day of m-large, compressed: ``minutes / 4`` from the middle of each 6-hour window; the day
+    whose prompt lengths drift most, or least with ``steady``."""
     from batchpilot_runtime.replay import servegen
 
     data = servegen.load_servegen("m-large")
-    day = servegen.drifting_day(data)
+    day = servegen.steadiest_day(data) if steady else servegen.drifting_day(data)
     piece_s = minutes * 60.0 / 4
     requests: list[TraceRequest] = []
     p50s = []
@@ -296,10 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     replay_info: dict[str, Any] = {"azure": {"trace": str(args.trace), "minutes": minutes}}
     if not args.no_servegen:
         rate = len(replays["azure"]) / (minutes * 60.0)
-        try:
-            replays["servegen_drift"], replay_info["servegen_drift"] = servegen_day(minutes, rate)
-        except (FileNotFoundError, ValueError) as error:
-            print(f"servegen replay skipped: {error}", file=sys.stderr)
+        days = {"servegen_drift": False} if args.quick else {"servegen_drift": False, "servegen_steady": True}
+        for name, steady in days.items():
+            try:
+                replays[name], replay_info[name] = servegen_day(minutes, rate, steady=steady)
+            except (FileNotFoundError, ValueError) as error:
+                print(f"{name} replay skipped: {error}", file=sys.stderr)
     for name, requests in replays.items():
         replay_info[name]["requests"] = len(requests)
         replay_info[name]["mean_rate_per_s"] = len(requests) / (minutes * 60.0)
@@ -320,19 +334,20 @@ def main(argv: list[str] | None = None) -> int:
         + jobs_for("per_step_itl", PER_STEP_WINDOW)
     )
     results = _run(jobs, args.workers)
-    # A window tuned on the other replay (when there are two).
+    # A window tuned on another replay (when there is one).
     best = {
         (r["replay"], r["slo"]): Window.model_validate(r["window"]) for r in results if r["policy"] == "best_static"
     }
-    names = list(replays)
+    tuned_on = {name: next((o for o in ELSEWHERE[name] if o in replays), None) for name in replays}
     elsewhere = [
         Job(name, slo, "tuned_elsewhere", best[(other, slo.label())], tuple(replays[name]), cost, tolerance)
-        for name in names
-        for other in names
-        if other != name
+        for name, other in tuned_on.items()
+        if other is not None
         for slo in slos
     ]
-    results += _run(elsewhere, args.workers)
+    for result in _run(elsewhere, args.workers):
+        result["tuned_on"] = tuned_on[result["replay"]]
+        results.append(result)
     change = step_cost_change(replays["azure"], slos[0], cost, tolerance)
     adaptive_capacity = next(
         r["capacity"]
@@ -425,6 +440,12 @@ def _print_summary(report: dict[str, Any]) -> None:
             f"{cell['policies'][p]['capacity']:>16.2f}" if p in cell["policies"] else f"{'-':>16}" for p in order
         )
         print(f"{cell['replay']:16} {cell['slo']:12} {row}")
+    tuned_on = {
+        cell["replay"]: cell["policies"]["tuned_elsewhere"]["tuned_on"]
+        for cell in report["cells"].values()
+        if "tuned_elsewhere" in cell["policies"]
+    }
+    print("tuned_elsewhere: " + ", ".join(f"{here} <- {there}" for here, there in tuned_on.items()))
     print("targets:", json.dumps(json_safe(report["targets"]), indent=1))
     steady = report.get("steady_load")
     if steady:
@@ -449,7 +470,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
     order = ("adaptive", "best_static", "engine_defaults", "starting_window", "tuned_elsewhere", "per_step_itl")
     cells = list(report["cells"].values())
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(max(11, 1.5 * len(cells)), 4.5))
     width = 0.8 / len(order)
     for i, policy in enumerate(order):
         values = [cell["policies"].get(policy, {}).get("capacity", 0.0) for cell in cells]

@@ -213,6 +213,8 @@ def test_describe_and_drifting_day(data: sg.ServeGenData) -> None:
     assert [(s.output_p50, s.output_p99) for s in stats] == [(7, 9)] * 4  # 0: .125, 5: .125, 7: .375, 9: .375
     assert sg.prompt_drift(data) == [1.0, 10.0]
     assert sg.drifting_day(data) == 1
+    assert [s.prompt_p50 for s in sg.describe(data, 0)] == [100] * 4
+    assert sg.steadiest_day(data) == 0
 
 
 def test_csv_round_trips_through_the_trace_reader(data: sg.ServeGenData, tmp_path: Path) -> None:
@@ -316,3 +318,15 @@ def test_real_m_large_has_fourteen_days_and_a_drifting_day() -> None:
         data, day, start_s=12 * 3600, duration_s=1800, seed=0, target_mean_rate_per_s=5.5
     ).requests
     assert len(requests) / 1800 == pytest.approx(5.5, rel=0.3)
+    steady = sg.steadiest_day(data)
+    p50s = [s.prompt_p50 for s in sg.describe(data, steady)]
+    assert steady != day and max(p50s) / min(p50s) < 1.2
+
+
+def test_no_steady_day_without_lengths_in_every_window(tmp_path: Path) -> None:
+    inputs: list[dict[int, float]] = [{}, {50: 1.0}, {50: 1.0}, {50: 1.0}]
+    make_tarball(tmp_path, "m-hole", {1: (_rows(1, 1.0, "Gamma", 1.0), _dataset(1, inputs, {3: 1.0}))})
+    data = sg.load_servegen("m-hole", tmp_path)
+    assert [s.prompt_p50 for s in sg.describe(data, 0)] == [0, 50, 50, 50]
+    with pytest.raises(ValueError, match="m-hole: no day has prompt lengths in all of its 6-hour windows"):
+        sg.steadiest_day(data)

@@ -104,6 +104,7 @@ __all__ = [
     "register",
     "run",
     "select_clients",
+    "steadiest_day",
     "summarize",
     "tarball_path",
     "write_trace_csv",
@@ -376,6 +377,19 @@ def drifting_day(data: ServeGenData) -> int:
     """The day whose 6-hour prompt P50s differ most (largest max/min ratio within the day)."""
     ratios = prompt_drift(data)
     return max(range(len(ratios)), key=lambda d: (ratios[d], -d))
+
+
+def steadiest_day(data: ServeGenData) -> int:
+    """The day whose 6-hour prompt P50s differ least, among the days with lengths in every window:
+    a day a window could have been tuned on before the lengths drifted."""
+    ratios = []
+    for d in range(data.days):
+        p50s = [s.prompt_p50 for s in describe(data, d)]
+        if p50s and min(p50s) > 0:
+            ratios.append((max(p50s) / min(p50s), d))
+    if not ratios:
+        raise ValueError(f"{data.model}: no day has prompt lengths in all of its 6-hour windows")
+    return min(ratios)[1]
 
 
 @dataclass(frozen=True)
