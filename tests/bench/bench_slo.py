@@ -51,6 +51,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {
         (r["replay"], r["slo"]): Window.model_validate(r["window"]) for r in results if r["policy"] == "best_static"
     }
-    tuned_on = {name: next((o for o in ELSEWHERE[name] if o in replays), None) for name in replays}
+    tuned_on = elsewhere_sources(replays)
     elsewhere = [
         Job(name, slo, "tuned_elsewhere", best[(other, slo.label())], tuple(replays[name]), cost, tolerance)
         for name, other in tuned_on.items()
@@ -367,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(report, args.plot)
     return 0
+
+
+def elsewhere_sources(names: Iterable[str]) -> dict[str, str | None]:
+    """For each replay that ran, the replay its ``tuned_elsewhere`` window is tuned on (None: no other ran)."""
+    ran = set(names)
+    return {name: next((other for other in ELSEWHERE.get(name, ()) if other in ran), None) for name in ran}
 
 
 def _run(jobs: list[Job], workers: int) -> list[dict[str, Any]]:

@@ -80,3 +80,20 @@ def test_bench_slo_writes_the_issue_fields_and_the_hindsight_search_beats_the_gr
     assert report["capacity"]["best_static"] >= report["capacity"]["engine_defaults"]
     assert report["step_cost_change"]["intervals_to_recover"] >= 0
     assert report["steady_load"]["decisions_per_hour"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("ran", "sources"),
+    [
+        (["azure"], {"azure": None}),
+        (["azure", "servegen_drift"], {"azure": "servegen_drift", "servegen_drift": "azure"}),
+        (
+            ["azure", "servegen_drift", "servegen_steady"],
+            {"azure": "servegen_drift", "servegen_drift": "servegen_steady", "servegen_steady": "servegen_drift"},
+        ),
+    ],
+)
+def test_tuned_elsewhere_comes_from_another_day_of_the_model_when_one_ran(
+    ran: list[str], sources: dict[str, str | None]
+) -> None:
+    assert bench_slo.elsewhere_sources(ran) == sources
