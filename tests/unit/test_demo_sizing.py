@@ -28,9 +28,10 @@ from batchpilot_operator.demo.sizing import (
     [
         (REFERENCE_STEP_S / 2, 1.0),  # a faster host keeps the trace's lengths
         (REFERENCE_STEP_S, 1.0),
-        (REFERENCE_STEP_S * 1.9, 1.0),  # two busy loops beside the demo: the static window still fails
-        (REFERENCE_STEP_S * 4, 0.65),  # 2 ** (-1 / 1.6) = 0.648: prefill costs grow faster than lengths
-        (REFERENCE_STEP_S * 6, 0.5),  # 0.503 to the nearest 0.05
+        (REFERENCE_STEP_S * 1.4, 1.0),  # within an idle host's spread
+        (REFERENCE_STEP_S * 2.25, 0.8),  # two busy loops: 1.5 ** (-1 / 1.6) = 0.776, to the nearest 0.05
+        (REFERENCE_STEP_S * 4, 0.55),  # (4 / 1.5) ** (-1 / 1.6) = 0.542: prefill costs grow faster than lengths
+        (REFERENCE_STEP_S * 6, 0.4),  # 0.420
         (REFERENCE_STEP_S * 100, MIN_TOKEN_SCALE),
     ],
 )
@@ -91,7 +92,7 @@ def test_a_given_scale_is_used_without_measuring(monkeypatch: pytest.MonkeyPatch
 def test_the_measured_step_sets_the_scale(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(sizing, "measure_on_host", lambda preset, threads, processes: REFERENCE_STEP_S * 6)
     settings, done = size_to_host(DemoSettings(duration_s=40, out_dir=tmp_path, live=False))
-    assert done.scale == settings.token_scale == 0.5 and done.step_s == REFERENCE_STEP_S * 6
+    assert done.scale == settings.token_scale == 0.4 and done.step_s == REFERENCE_STEP_S * 6
     assert f"took {REFERENCE_STEP_S * 6000:.1f} ms here" in done.describe()
 
 
