@@ -10,8 +10,10 @@ import pytest
 from batchpilot_operator.io import promql
 from batchpilot_operator.io.exposition import parse_exposition
 from batchpilot_operator.io.observe import (
+    INTER_TOKEN,
     HistogramWindow,
     MetricsBuilder,
+    ModelMetrics,
     histogram_from_buckets,
     lookup,
     to_observations,
@@ -38,6 +40,22 @@ def test_quantile_in_inf_bucket_is_saturated_not_a_value() -> None:
     q = h.quantile(0.99)
     assert q.saturated
     assert q.value_s == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(("name", "bounds"), [("ttft", rm.LATENCY_BUCKETS_S), (INTER_TOKEN, rm.STEP_BUCKETS_S)])
+def test_a_prometheus_quantile_at_the_top_finite_bound_of_its_own_buckets_is_saturated(
+    name: str, bounds: tuple[float, ...]
+) -> None:
+    """histogram_quantile answers a quantile in +Inf with the top finite bound, which differs between
+    latencies and gaps (the exporter counts gaps on the shorter step buckets)."""
+    metrics = ModelMetrics(
+        window_s=60.0,
+        latency_quantiles_s={name: {0.5: bounds[0], 0.99: bounds[-1], 0.999: bounds[-1]}},
+        latency_count_per_s={name: 10.0},
+    )
+    obs = to_observations(metrics, "ttft", 0.0)
+    saturated = obs.itl_p99_saturated if name == INTER_TOKEN else obs.p99_saturated
+    assert saturated
 
 
 def test_no_observations_is_unknown_not_zero() -> None:

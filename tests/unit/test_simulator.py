@@ -19,7 +19,13 @@ from batchpilot_operator.sim.simulator import (
     scheduler_config_for,
 )
 from batchpilot_operator.tuning.observations import Observations
-from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
+from batchpilot_runtime.contract.metric_names import (
+    INTER_TOKEN_SECONDS,
+    LATENCY_BUCKETS_S,
+    RUNTIME_METRICS,
+    STEP_BUCKETS_S,
+    TTFT_SECONDS,
+)
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B, UNIT
 from batchpilot_runtime.replay.trace import TraceRequest
@@ -83,6 +89,19 @@ def test_a_preempted_sequence_gap_includes_its_stall() -> None:
     assert result.gaps.quantile(1.0) > longest_step_s
 
 
+def test_the_simulator_counts_on_the_exporters_buckets() -> None:
+    """Latencies and gaps fall into the buckets the runtime exports them on, so a quantile read in the
+    simulator carries the same interpolation error as one read from Prometheus."""
+    exported = {spec.name: spec.buckets for spec in RUNTIME_METRICS}
+    interval = Interval()
+    assert exported[TTFT_SECONDS] == LATENCY_BUCKETS_S and len(interval.latency_buckets) == len(LATENCY_BUCKETS_S) + 1
+    assert exported[INTER_TOKEN_SECONDS] == STEP_BUCKETS_S and len(interval.itl_buckets) == len(STEP_BUCKETS_S) + 1
+    sched = Scheduler(SchedulerConfig(num_kv_blocks=64), Window(target_batch_size=1, hard_cap=4, max_wait_ms=0))
+    metrics = interval_metrics([interval], 10.0, LatencyMetric.TTFT, sched)
+    assert metrics.latency[INTER_TOKEN].upper_bounds == (*STEP_BUCKETS_S, math.inf)
+    assert metrics.latency["ttft"].upper_bounds == (*LATENCY_BUCKETS_S, math.inf)
+
+
 def test_the_simulator_builds_observations_through_the_live_builder() -> None:
     """The same counters fed through the live sources' builder and through the simulator's give the
     same observations, field by field."""
@@ -107,9 +126,12 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
 
     live = MetricsBuilder(window_s)
     key = ("", "m")
-    for metric, counts in (("ttft", interval.latency_buckets), (INTER_TOKEN, interval.itl_buckets)):
+    for metric, counts, bounds in (
+        ("ttft", interval.latency_buckets, LATENCY_BUCKETS_S),
+        (INTER_TOKEN, interval.itl_buckets, STEP_BUCKETS_S),
+    ):
         cumulative = 0
-        for bound, count in zip((*LATENCY_BUCKETS_S, math.inf), counts, strict=True):
+        for bound, count in zip((*bounds, math.inf), counts, strict=True):
             cumulative += count
             live.add_bucket(key, metric, bound, cumulative / window_s)
     for series, value in (
@@ -143,7 +165,7 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
     # 20 prefill steps took 3 s where 20 decode steps of their batch take 0.4 s: 2.6 s for 20,000 tokens.
     assert simulated.prefill_s_per_token == pytest.approx(2.6 / 20_000)
     # 12 of 912 gaps (1.3 %) lie in bucket 60, so the inter-token P99 does too.
-    assert LATENCY_BUCKETS_S[59] < simulated.itl_p99_s <= LATENCY_BUCKETS_S[60]
+    assert STEP_BUCKETS_S[59] < simulated.itl_p99_s <= STEP_BUCKETS_S[60]
 
 
 def test_target_and_wait_hold_requests_back_exactly() -> None:

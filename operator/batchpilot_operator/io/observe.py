@@ -306,7 +306,7 @@ def _quantiles(metrics: ModelMetrics, name: str) -> tuple[tuple[Quantile, Quanti
         # Prometheus returns the top finite bound for a quantile in +Inf: is_saturated recognises it.
         quantiles = metrics.latency_quantiles_s[name]
         p50, p99, p999 = (
-            Quantile(v, is_saturated(v, rm.LATENCY_BUCKETS_S))
+            Quantile(v, is_saturated(v, rm.STEP_BUCKETS_S if name == INTER_TOKEN else rm.LATENCY_BUCKETS_S))
             if (v := quantiles.get(q)) is not None
             else Quantile(None)
             for q in (0.5, 0.99, 0.999)

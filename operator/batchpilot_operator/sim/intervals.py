@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 
 from batchpilot_operator.api.profile import LatencyMetric
 from batchpilot_operator.io.observe import INTER_TOKEN, HistogramWindow, ModelMetrics
-from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, batch_bucket
+from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, STEP_BUCKETS_S, batch_bucket
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import StepStats
 
+# The runtime's exporter counts latencies on LATENCY_BUCKETS_S and inter-token gaps on STEP_BUCKETS_S.
 NUM_BUCKETS = len(LATENCY_BUCKETS_S) + 1
+ITL_NUM_BUCKETS = len(STEP_BUCKETS_S) + 1
 _CUMULATIVE_BOUNDS = (*LATENCY_BUCKETS_S, math.inf)
+_ITL_CUMULATIVE_BOUNDS = (*STEP_BUCKETS_S, math.inf)
 
 
 @dataclass
@@ -28,7 +31,7 @@ class Interval:
     """Counters of one controller interval (the simulator's scrape)."""
 
     latency_buckets: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
-    itl_buckets: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
+    itl_buckets: list[int] = field(default_factory=lambda: [0] * ITL_NUM_BUCKETS)
     arrivals: int = 0
     generated_tokens: int = 0
     decode_steps: int = 0
@@ -75,7 +78,7 @@ def interval_metrics(
     """The counters of the last intervals as rates per second, as Prometheus' ``rate()`` gives them."""
     window_s = len(recent) * interval_s
     latency = [0] * NUM_BUCKETS
-    itl = [0] * NUM_BUCKETS
+    itl = [0] * ITL_NUM_BUCKETS
     arrivals = tokens = decode_steps = decode_seqs = marked = preempted = 0
     admissions: dict[str, int] = {}
     step_acc: dict[int, list[float]] = {}
@@ -106,17 +109,20 @@ def interval_metrics(
                 acc[0] += sum_s
                 acc[1] += count_f
 
-    def histogram(counts: list[int]) -> HistogramWindow:
+    def histogram(counts: list[int], bounds: tuple[float, ...]) -> HistogramWindow:
         cumulative: list[float] = []
         running = 0
         for count in counts:
             running += count
             cumulative.append(running / window_s)
-        return HistogramWindow(_CUMULATIVE_BOUNDS, tuple(cumulative))
+        return HistogramWindow(bounds, tuple(cumulative))
 
     return ModelMetrics(
         window_s=window_s,
-        latency={str(latency_metric): histogram(latency), INTER_TOKEN: histogram(itl)},
+        latency={
+            str(latency_metric): histogram(latency, _CUMULATIVE_BOUNDS),
+            INTER_TOKEN: histogram(itl, _ITL_CUMULATIVE_BOUNDS),
+        },
         requests_per_s=arrivals / window_s,
         generated_tokens_per_s=tokens / window_s,
         admissions_per_s={reason: count / window_s for reason, count in admissions.items()},
