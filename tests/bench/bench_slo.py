@@ -290,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="10-minute replays, a coarser grid (under 5 minutes)")
     parser.add_argument("--no-servegen", action="store_true", help="only the Azure replay")
     parser.add_argument("--minutes", type=float, help="replay length (default 30; 10 with --quick)")
+    parser.add_argument(
+        "--adaptive-only",
+        action="store_true",
+        help="only the policies that observe (adaptive, the step-cost change, steady load): the static "
+        "windows are judged on exact latencies, so a policy or observation change leaves their columns as they were",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -327,19 +333,20 @@ def main(argv: list[str] | None = None) -> int:
             for slo in slos
         ]
 
-    jobs = (
-        jobs_for("adaptive", STARTING_WINDOW)
-        + jobs_for("engine_defaults", ENGINE_DEFAULTS)
-        + jobs_for("starting_window", STARTING_WINDOW)
-        + jobs_for("best_static", None, candidates)
-        + jobs_for("per_step_itl", PER_STEP_WINDOW)
-    )
+    jobs = jobs_for("adaptive", STARTING_WINDOW)
+    if not args.adaptive_only:
+        jobs += (
+            jobs_for("engine_defaults", ENGINE_DEFAULTS)
+            + jobs_for("starting_window", STARTING_WINDOW)
+            + jobs_for("best_static", None, candidates)
+            + jobs_for("per_step_itl", PER_STEP_WINDOW)
+        )
     results = _run(jobs, args.workers)
     # A window tuned on another replay (when there is one).
     best = {
         (r["replay"], r["slo"]): Window.model_validate(r["window"]) for r in results if r["policy"] == "best_static"
     }
-    tuned_on = elsewhere_sources(replays)
+    tuned_on = {} if args.adaptive_only else elsewhere_sources(replays)
     elsewhere = [
         Job(name, slo, "tuned_elsewhere", best[(other, slo.label())], tuple(replays[name]), cost, tolerance)
         for name, other in tuned_on.items()

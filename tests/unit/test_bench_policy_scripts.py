@@ -81,6 +81,15 @@ def test_bench_slo_writes_the_issue_fields_and_the_hindsight_search_beats_the_gr
     assert report["step_cost_change"]["intervals_to_recover"] >= 0
     assert report["steady_load"]["decisions_per_hour"] >= 0
 
+    # The same cell with only the policies that observe: adaptive's figures are the full run's.
+    alone = tmp_path / "adaptive.json"
+    assert bench_slo.main([*argv, "--adaptive-only", "--workers", "1", "--json", str(alone)]) == 0
+    again = json.loads(alone.read_text())
+    assert set(again["capacity"]) == {"adaptive"}
+    assert again["capacity"]["adaptive"] == report["capacity"]["adaptive"]
+    assert again["at_capacity"]["adaptive"] == report["at_capacity"]["adaptive"]
+    assert again["step_cost_change"] == report["step_cost_change"]
+
 
 @pytest.mark.parametrize(
     ("ran", "sources"),
