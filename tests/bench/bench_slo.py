@@ -31,10 +31,11 @@ compressed from the shared ServeGen data (m-large; the same number of minutes ta
 of each of a day's four 6-hour windows, at the Azure replay's mean rate): the day whose prompt
 lengths drift most (its prompt P50 moves about 8x over the replay) and the day whose prompt lengths
 drift least (without ``--quick``), the day a window could have been tuned on before the drift. Also
-a step-cost change: the
-Azure replay with every step 1.5x as long from its midpoint (a heavier model version at the same
-batch), run under ``adaptive`` at 90 % of its post-change capacity, reporting how many intervals
-both tails take to come back under the SLO.
+a step-cost change: the Azure replay with every step 1.5x as long from its midpoint (a heavier
+model version at the same batch), run under ``adaptive`` at 90 % of its post-change capacity,
+reporting how many intervals both tails take to come back under the SLO. ``--adaptive-only`` runs
+only what observes (adaptive, the step-cost change, steady load): the static windows are judged on
+exact latencies, so a change to the policy or to what it observes leaves their columns as they were.
 
 Usage::
 
