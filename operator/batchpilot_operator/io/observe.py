@@ -29,6 +29,11 @@ SLO_LATENCY_HISTOGRAMS: dict[str, str] = {
 # The latency histograms the operator reads, by name: the SLO's latencyMetric picks one of the
 # first three; the inter-token histogram is read for every profile (slo.interTokenP99Ms).
 LATENCY_HISTOGRAMS: dict[str, str] = {**SLO_LATENCY_HISTOGRAMS, INTER_TOKEN: rm.INTER_TOKEN_SECONDS}
+# Each of them on the buckets the runtime exports it on (gaps on the shorter step buckets).
+LATENCY_BUCKETS: dict[str, tuple[float, ...]] = {
+    key: next(spec.buckets for spec in rm.RUNTIME_METRICS if spec.name == name)
+    for key, name in LATENCY_HISTOGRAMS.items()
+}
 # The runtime counters both sources turn into rates, by the rate series of MetricsBuilder.add_rate
 # (admissions by reason; the others summed over every label but namespace and model).
 RATE_COUNTERS: dict[str, str] = {
@@ -306,7 +311,7 @@ def _quantiles(metrics: ModelMetrics, name: str) -> tuple[tuple[Quantile, Quanti
         # Prometheus returns the top finite bound for a quantile in +Inf: is_saturated recognises it.
         quantiles = metrics.latency_quantiles_s[name]
         p50, p99, p999 = (
-            Quantile(v, is_saturated(v, rm.STEP_BUCKETS_S if name == INTER_TOKEN else rm.LATENCY_BUCKETS_S))
+            Quantile(v, is_saturated(v, LATENCY_BUCKETS[name]))
             if (v := quantiles.get(q)) is not None
             else Quantile(None)
             for q in (0.5, 0.99, 0.999)

@@ -14,16 +14,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import INTER_TOKEN, HistogramWindow, ModelMetrics
-from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, STEP_BUCKETS_S, batch_bucket
+from batchpilot_operator.io.observe import INTER_TOKEN, LATENCY_BUCKETS, HistogramWindow, ModelMetrics
+from batchpilot_runtime.contract.metric_names import batch_bucket
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import StepStats
 
-# The runtime's exporter counts latencies on LATENCY_BUCKETS_S and inter-token gaps on STEP_BUCKETS_S.
+# The exporter's buckets: every SLO latency shares the first-token histogram's, gaps have their own.
+LATENCY_BUCKETS_S = LATENCY_BUCKETS["ttft"]
+ITL_BUCKETS_S = LATENCY_BUCKETS[INTER_TOKEN]
 NUM_BUCKETS = len(LATENCY_BUCKETS_S) + 1
-ITL_NUM_BUCKETS = len(STEP_BUCKETS_S) + 1
+ITL_NUM_BUCKETS = len(ITL_BUCKETS_S) + 1
 _CUMULATIVE_BOUNDS = (*LATENCY_BUCKETS_S, math.inf)
-_ITL_CUMULATIVE_BOUNDS = (*STEP_BUCKETS_S, math.inf)
+_ITL_CUMULATIVE_BOUNDS = (*ITL_BUCKETS_S, math.inf)
 
 
 @dataclass

@@ -26,9 +26,8 @@ from typing import Protocol
 
 from batchpilot_operator.api.profile import LatencyMetric
 from batchpilot_operator.io.observe import to_observations
-from batchpilot_operator.sim.intervals import Interval, interval_metrics
+from batchpilot_operator.sim.intervals import ITL_BUCKETS_S, LATENCY_BUCKETS_S, Interval, interval_metrics
 from batchpilot_operator.tuning.observations import NAN, Observations
-from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, STEP_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
 from batchpilot_runtime.replay.trace import TraceRequest
@@ -393,7 +392,7 @@ class _Tally:
         """Tokens emitted by the step that ended at ``now_s``."""
         records = self.records
         metric = self.metric
-        buckets = STEP_BUCKETS_S  # the runtime's gap buckets
+        buckets = ITL_BUCKETS_S
         itl_buckets = self.current.itl_buckets
         gap_counts = self.gaps.counts
         itl_slo_s = self.itl_slo_s
