@@ -64,6 +64,9 @@ from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import RequestTimings, SchedulerConfig, StepStats
 
 SYSTEMS = ("continuous", "static", "sequential", "hf_static")
+# An outside reference, run only when asked: llama.cpp through llama-cpp-python (not a dependency:
+# it builds llama.cpp from source), on the same GGUF file with its own quantized kernels.
+REFERENCE_SYSTEMS = ("llama_cpp",)
 BLOCK_SIZE = 16
 
 
@@ -332,6 +335,52 @@ def replay_hf(
     return outcomes, tokens, batch_sizes
 
 
+# -- llama.cpp, an outside reference --------------------------------------------------------
+
+
+def replay_llama_cpp(
+    gguf_path: Path, jobs: Sequence[Job], threads: int, clock_kind: str
+) -> tuple[list[Outcome], dict[int, list[int]]]:
+    """The same requests through llama.cpp (llama-cpp-python's ``Llama``), greedy, one request at a
+    time in arrival order: its binding decodes one sequence (as its own server does), on the GGUF
+    file's quantized weights, where the runtime serves them dequantized to fp32."""
+    try:
+        from llama_cpp import Llama  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise SystemExit(
+            "--systems llama_cpp needs llama-cpp-python, which builds llama.cpp from source: "
+            "pip install llama-cpp-python (not a dependency of batchpilot)"
+        ) from exc
+    longest = max(len(job.prompt) + job.output_tokens for job in jobs)
+    llm = Llama(
+        model_path=str(gguf_path),
+        n_ctx=longest + 16,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=0,
+        verbose=False,
+    )
+    llm.eval(jobs[0].prompt[:8])  # page the weights in before the clock starts
+    clock = ReplayClock(clock_kind)
+    outcomes: list[Outcome] = []
+    tokens: dict[int, list[int]] = {}
+    for job in jobs:
+        clock.idle_until(job.arrival_s)
+        generated: list[int] = []
+        times_s: list[float] = []
+        # top_k 1 and temperature 0: greedy; no repeat penalty, and no stop on end-of-text, so that
+        # every request generates the tokens the trace asks for, as in the other systems.
+        for token in llm.generate(job.prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            generated.append(int(token))
+            times_s.append(clock())
+            if len(generated) == job.output_tokens:
+                break
+        tokens[job.index] = generated
+        outcomes.append(Outcome(job.index, job.arrival_s, times_s[0], times_s[-1], len(generated)))
+    return outcomes, tokens
+
+
 # -- scheduler overhead at 64 running sequences ------------------------------------------------
 
 
@@ -480,7 +529,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every system (default 1)")
     parser.add_argument("--overhead-seqs", type=int, default=64, help="running sequences of the overhead run")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to run")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS + REFERENCE_SYSTEMS,
+        default=list(SYSTEMS),
+        help="systems to run; llama_cpp (an outside reference, with a GGUF --checkpoint) only when named",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench_runtime.json"), help="output JSON path")
     parser.add_argument("--plot", type=Path, default=Path("bench_runtime.png"), help="output PNG path")
     args = parser.parse_args(argv)
@@ -501,6 +556,8 @@ def load_model(args: argparse.Namespace) -> tuple[LlamaModel, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if "llama_cpp" in args.systems and (args.checkpoint is None or resolve_checkpoint(args.checkpoint).kind != "gguf"):
+        raise SystemExit("--systems llama_cpp serves the same GGUF file: give a GGUF --checkpoint")
     torch.set_num_threads(args.threads)
     started = time.monotonic()
     model, model_name = load_model(args)
@@ -526,7 +583,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     for name in args.systems:
         t0 = time.monotonic()
-        if name == "hf_static":
+        if name == "llama_cpp":
+            outcomes, tokens = replay_llama_cpp(
+                resolve_checkpoint(args.checkpoint).path, jobs, args.threads, args.clock
+            )
+        elif name == "hf_static":
             with tempfile.TemporaryDirectory() as directory:
                 hf = load_hf(model, Path(directory))
                 outcomes, tokens, batch_sizes = replay_hf(hf, window, jobs, args.clock)
@@ -603,6 +664,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "overhead_10pct_met": overhead["fraction_cpu"] <= 0.10,
         }
         print(f"continuous / hf_static tokens/s: {ratio:.2f}x; targets: {result['targets']}")
+    if "llama_cpp" in systems:
+        outside: dict[str, Any] = {"system": "llama.cpp via llama-cpp-python, one request at a time, quantized GGUF"}
+        for name in ("continuous", "sequential"):
+            if name in systems:
+                outside[f"{name}_over_llama_cpp_tokens_per_s"] = (
+                    systems[name]["tokens_per_s"] / systems["llama_cpp"]["tokens_per_s"]
+                )
+        result["outside_reference"] = outside
+        print(f"outside reference: {outside}")
     print(f"token agreement with continuous: {agreement}")
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, e2e_by_system, args.plot)
