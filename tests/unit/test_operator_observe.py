@@ -137,6 +137,31 @@ def test_parse_results_groups_by_namespace_and_model() -> None:
     assert math.isnan(obs.preemptions_per_s)
 
 
+def test_the_latency_query_counts_the_gaps_over_the_error_budgets_hour_for_the_policy() -> None:
+    latency = promql.build_queries(60)["latency"]
+    assert "sum by (namespace, model, le) (increase(batchpilot_inter_token_seconds_bucket[3600s]))" in latency
+    base = {"namespace": "ml", "model": "chat", "bp_series": "interTokenWindow"}
+    results = {
+        "latency": [
+            _sample({**base, "le": "0.05"}, 600.0),
+            _sample({**base, "le": "0.1"}, 990.0),
+            _sample({**base, "le": "+Inf"}, 1000.0),
+            _sample({**base, "le": "not-a-number"}, 5.0),  # ignored, not an error
+            _sample({"namespace": "ml", "model": "chat", "bp_quantile": "0.99", "bp_series": "interToken"}, 0.09),
+        ]
+    }
+    obs = to_observations(lookup(promql.parse_results(results, 60), "ml", "chat"), "ttft", 100.0)
+    assert obs.itl_window_buckets == ((0.05, 600.0), (0.1, 990.0), (math.inf, 1000.0))
+    assert obs.itl_p99_s == pytest.approx(0.09)
+    # Without the series (another engine, a scrape) the policy has no hour to judge by.
+    assert (
+        to_observations(
+            lookup(promql.parse_results({"latency": results["latency"][-1:]}, 60), "ml", "chat"), "ttft", 1.0
+        ).itl_window_buckets
+        == ()
+    )
+
+
 EXPOSITION = """# TYPE batchpilot_ttft_seconds histogram
 batchpilot_ttft_seconds_bucket{{model="m",lane="default",le="0.1"}} {a}
 batchpilot_ttft_seconds_bucket{{model="m",lane="default",le="1.0"}} {b}

@@ -261,3 +261,22 @@ def test_p99_back_under_slo_within_three_intervals_after_a_3x_step() -> None:
     assert exact_quantile(before, 0.99) <= 0.5, "the policy should have settled under the SLO before the step"
     assert all(p99 <= 0.5 for p99 in per_interval[3:]), per_interval
     assert result.window_changes > 0
+
+
+def test_the_error_budgets_hour_of_gaps_slides_with_the_intervals() -> None:
+    # Intervals of half an hour: the budget's hour spans the last two. One request an interval, each
+    # with 3 tokens (2 gaps), so an hour holds at most 4 gaps, whatever came before it.
+    seen: list[Observations] = []
+
+    class Recorder:
+        def on_interval(self, now_s: float, observations: Observations, window: Window) -> Window | None:
+            seen.append(observations)
+            return None
+
+    requests = [TraceRequest(1800.0 * k + 1.0, 10, 3) for k in range(5)]
+    config = make_config(interval_s=1800.0, rate_window_s=1800.0)
+    Simulator(requests, Window(target_batch_size=1, hard_cap=4, max_wait_ms=0), config, Recorder()).run()
+    totals = [obs.itl_window_buckets[-1][1] for obs in seen]
+    assert totals[:4] == [2.0, 4.0, 4.0, 4.0]
+    # The same buckets as the gaps' histogram (the exporter's), +Inf last.
+    assert [bound for bound, _ in seen[0].itl_window_buckets] == [*STEP_BUCKETS_S, math.inf]

@@ -34,6 +34,9 @@ LATENCY_BUCKETS: dict[str, tuple[float, ...]] = {
     key: next(spec.buckets for spec in rm.RUNTIME_METRICS if spec.name == name)
     for key, name in LATENCY_HISTOGRAMS.items()
 }
+# The inter-token SLO's error budget is judged over the last hour of gaps (the policy's
+# excused_gap_share): long against a 30 s rate window, short enough to notice a day's drift.
+ERROR_BUDGET_WINDOW_S = 3600
 # The runtime counters both sources turn into rates, by the rate series of MetricsBuilder.add_rate
 # (admissions by reason; the others summed over every label but namespace and model).
 RATE_COUNTERS: dict[str, str] = {
@@ -146,6 +149,8 @@ class ModelMetrics:
     running: float | None = None
     kv_usage_max: float | None = None
     pods_reporting: int = 0
+    # Gaps between tokens over the error budget's window (ERROR_BUDGET_WINDOW_S): counts, not rates.
+    itl_window: HistogramWindow | None = None
 
     @property
     def mean_batch_size(self) -> float | None:
@@ -214,6 +219,7 @@ class MetricsBuilder:
         self.window_s = window_s
         self._metrics: dict[ModelKey, ModelMetrics] = {}
         self._buckets: dict[tuple[ModelKey, str], dict[float, float]] = {}
+        self._window_buckets: dict[ModelKey, dict[float, float]] = {}
 
     def _get(self, key: ModelKey) -> ModelMetrics:
         metrics = self._metrics.get(key)
@@ -225,6 +231,12 @@ class MetricsBuilder:
         self._get(key)
         buckets = self._buckets.setdefault((key, latency_metric), {})
         buckets[upper_bound] = buckets.get(upper_bound, 0.0) + rate
+
+    def add_window_bucket(self, key: ModelKey, upper_bound: float, count: float) -> None:
+        """One cumulative bucket of the inter-token histogram's increase over ERROR_BUDGET_WINDOW_S."""
+        self._get(key)
+        buckets = self._window_buckets.setdefault(key, {})
+        buckets[upper_bound] = buckets.get(upper_bound, 0.0) + count
 
     def add_quantile(self, key: ModelKey, latency_metric: str, q: float, value_s: float) -> None:
         """A quantile Prometheus computed; NaN (no traffic) is kept out: unknown, not zero."""
@@ -281,6 +293,8 @@ class MetricsBuilder:
     def build(self) -> dict[ModelKey, ModelMetrics]:
         for (key, latency_metric), buckets in self._buckets.items():
             self._metrics[key].latency[latency_metric] = histogram_from_buckets(buckets)
+        for key, buckets in self._window_buckets.items():
+            self._metrics[key].itl_window = histogram_from_buckets(buckets)
         return dict(self._metrics)
 
 
@@ -351,6 +365,11 @@ def to_observations(metrics: ModelMetrics | None, latency_metric: str, at_s: flo
         tail_marked_share=num(metrics.tail_marked_share),
         itl_p99_s=num(itl_p99.value_s),
         itl_p99_saturated=itl_p99.saturated,
+        itl_window_buckets=(
+            tuple(zip(metrics.itl_window.upper_bounds, metrics.itl_window.cumulative, strict=True))
+            if metrics.itl_window is not None
+            else ()
+        ),
         kv_usage_ratio=num(metrics.kv_usage_max),
         preemptions_per_s=num(metrics.preemptions_per_s),
         step_s_by_batch=metrics.step_time_per_batch_s(),

@@ -30,6 +30,7 @@ from typing import Any
 
 from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, FOREIGN_ENGINES, EngineMetricNames
 from batchpilot_operator.io.observe import (
+    ERROR_BUDGET_WINDOW_S,
     LATENCY_HISTOGRAMS,
     RATE_COUNTERS,
     MetricsBuilder,
@@ -45,6 +46,7 @@ QUANTILE_LABEL = "bp_quantile"
 COUNT_SUFFIX = "_count"
 QUANTILES = (0.5, 0.99, 0.999)
 DEFAULT_NAMESPACE_LABEL = "namespace"
+ITL_WINDOW_SERIES = "interTokenWindow"  # the gaps' buckets over the error budget's hour
 # The pod's name on every series Prometheus scraped from a pod (prometheus-operator's PodMonitor and
 # ServiceMonitor, and Prometheus's own kubernetes_sd examples, set it): the per-pod query groups by it.
 DEFAULT_POD_LABEL = "pod"
@@ -135,6 +137,12 @@ def _batchpilot_queries(window_s: int, namespace_label: str | None) -> dict[str,
             quantile = f"histogram_quantile({q}, {buckets})"
             latency_parts.append(f'label_replace({_tag(quantile, slo_name)}, "{QUANTILE_LABEL}", "{q}", "", "")')
         latency_parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{w}))", f"{slo_name}{COUNT_SUFFIX}"))
+    # The gaps' buckets over the error budget's hour, as counts: the policy reads the share over
+    # each profile's own target from them (Prometheus cannot: the targets differ by profile).
+    budget_window = f"[{ERROR_BUDGET_WINDOW_S}s]"
+    latency_parts.append(
+        _tag(f"sum by ({by}, le) (increase({rm.INTER_TOKEN_SECONDS}_bucket{budget_window}))", ITL_WINDOW_SERIES)
+    )
     latency = " or ".join(latency_parts)
     decode = f'{{{rm.LABEL_PHASE}="decode"}}'
     prefill = f'{{{rm.LABEL_PHASE}="prefill"}}'
@@ -225,6 +233,13 @@ def _value(sample: Mapping[str, Any]) -> float:
         return math.nan
 
 
+def _float_or_nan(text: object) -> float:
+    try:
+        return float(str(text))
+    except ValueError:
+        return math.nan
+
+
 def parse_results(
     results: Mapping[str, Sequence[Mapping[str, Any]]],
     window_s: float,
@@ -242,7 +257,11 @@ def parse_results(
             key = (str(labels.get(namespace_label, "")) if namespace_label else "", str(model))
             value = _value(sample)
             if name == "latency":
-                if series.endswith(COUNT_SUFFIX) and series.removesuffix(COUNT_SUFFIX) in LATENCY_HISTOGRAMS:
+                if series == ITL_WINDOW_SERIES:
+                    upper_bound = _float_or_nan(labels.get("le"))
+                    if not math.isnan(upper_bound):
+                        builder.add_window_bucket(key, upper_bound, value)
+                elif series.endswith(COUNT_SUFFIX) and series.removesuffix(COUNT_SUFFIX) in LATENCY_HISTOGRAMS:
                     builder.add_latency_count(key, series.removesuffix(COUNT_SUFFIX), value)
                 elif series in LATENCY_HISTOGRAMS and QUANTILE_LABEL in labels:
                     try:

@@ -75,9 +75,15 @@ def _add_step_time(by_bucket: dict[int, list[float]], batch_size: int, step_s: f
 
 
 def interval_metrics(
-    recent: Sequence[Interval], interval_s: float, latency_metric: LatencyMetric, sched: Scheduler
+    recent: Sequence[Interval],
+    interval_s: float,
+    latency_metric: LatencyMetric,
+    sched: Scheduler,
+    itl_window_counts: Sequence[int] = (),
 ) -> ModelMetrics:
-    """The counters of the last intervals as rates per second, as Prometheus' ``rate()`` gives them."""
+    """The counters of the last intervals as rates per second, as Prometheus' ``rate()`` gives them;
+    ``itl_window_counts`` (per gap bucket, over the error budget's window) as counts, as its
+    ``increase()`` gives them."""
     window_s = len(recent) * interval_s
     latency = [0] * NUM_BUCKETS
     itl = [0] * ITL_NUM_BUCKETS
@@ -111,12 +117,12 @@ def interval_metrics(
                 acc[0] += sum_s
                 acc[1] += count_f
 
-    def histogram(counts: list[int], bounds: tuple[float, ...]) -> HistogramWindow:
+    def histogram(counts: Sequence[int], bounds: tuple[float, ...], per_s: float = window_s) -> HistogramWindow:
         cumulative: list[float] = []
         running = 0
         for count in counts:
             running += count
-            cumulative.append(running / window_s)
+            cumulative.append(running / per_s)
         return HistogramWindow(bounds, tuple(cumulative))
 
     return ModelMetrics(
@@ -138,5 +144,6 @@ def interval_metrics(
         queue_depth=float(sched.num_waiting),
         running=float(sched.num_running),
         kv_usage_max=sched.kv_usage_ratio,
+        itl_window=histogram(itl_window_counts, _ITL_CUMULATIVE_BOUNDS, 1.0) if itl_window_counts else None,
         pods_reporting=1,
     )

@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import to_observations
-from batchpilot_operator.sim.intervals import ITL_BUCKETS_S, LATENCY_BUCKETS_S, Interval, interval_metrics
+from batchpilot_operator.io.observe import ERROR_BUDGET_WINDOW_S, to_observations
+from batchpilot_operator.sim.intervals import (
+    ITL_BUCKETS_S,
+    ITL_NUM_BUCKETS,
+    LATENCY_BUCKETS_S,
+    Interval,
+    interval_metrics,
+)
 from batchpilot_operator.tuning.observations import NAN, Observations
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
@@ -307,11 +314,20 @@ class Simulator:
         )
 
     @staticmethod
-    def _observations(recent: Sequence[Interval], cfg: SimConfig, sched: Scheduler, now_s: float) -> Observations:
-        """What the operator's queries would return over the last rate window: the simulator's
-        counters as the live sources' :class:`ModelMetrics`, through the same builder."""
+    def _observations(
+        recent: Sequence[Interval],
+        cfg: SimConfig,
+        sched: Scheduler,
+        now_s: float,
+        itl_window_counts: Sequence[int] = (),
+    ) -> Observations:
+        """What the operator's queries would return over the last rate window (and the gaps over the
+        error budget's window): the simulator's counters as the live sources' :class:`ModelMetrics`,
+        through the same builder."""
         return to_observations(
-            interval_metrics(recent, cfg.interval_s, cfg.latency_metric, sched), cfg.latency_metric, now_s
+            interval_metrics(recent, cfg.interval_s, cfg.latency_metric, sched, itl_window_counts),
+            cfg.latency_metric,
+            now_s,
         )
 
 
@@ -434,6 +450,10 @@ class _Ticks:
         self.interval_admissions: list[tuple[float, dict[str, int]]] = []
         self.changes = 0
         self.next_tick_s = cfg.interval_s
+        # The gaps of the error budget's window, per bucket: a running sum over its intervals.
+        self.budget_intervals: deque[list[int]] = deque()
+        self.budget_len = max(1, math.ceil(ERROR_BUDGET_WINDOW_S / cfg.interval_s - 1e-9))
+        self.budget_counts = [0] * ITL_NUM_BUCKETS
 
     def run_due(self, now_s: float, sched: Scheduler) -> None:
         while self.next_tick_s <= now_s:
@@ -443,7 +463,8 @@ class _Ticks:
         cfg = self.cfg
         tick_s = self.next_tick_s
         current = self.current
-        obs = Simulator._observations(self.intervals[-self.window_len :], cfg, sched, tick_s)
+        self._count_budget_window(current)
+        obs = Simulator._observations(self.intervals[-self.window_len :], cfg, sched, tick_s, self.budget_counts)
         self.interval_admissions.append((current.arrivals / cfg.interval_s, dict(current.admissions)))
         changed = False
         if self.controller is not None:
@@ -463,6 +484,15 @@ class _Ticks:
         self.next_tick_s += cfg.interval_s
         if self.progress is not None:
             self.progress(self.next_tick_s)
+
+    def _count_budget_window(self, ended: Interval) -> None:
+        counts = self.budget_counts
+        for i, count in enumerate(ended.itl_buckets):
+            counts[i] += count
+        self.budget_intervals.append(ended.itl_buckets)
+        if len(self.budget_intervals) > self.budget_len:
+            for i, count in enumerate(self.budget_intervals.popleft()):
+                counts[i] -= count
 
     def _point(self, tick_s: float, obs: Observations, sched: Scheduler, changed: bool) -> TimelinePoint:
         window = self.window

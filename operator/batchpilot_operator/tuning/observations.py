@@ -63,6 +63,23 @@ def is_saturated(quantile_s: float, upper_bounds: Sequence[float] = LATENCY_BUCK
     return known(quantile_s) and len(upper_bounds) >= 2 and quantile_s > upper_bounds[-2]
 
 
+def share_above(threshold: float, cumulative: Sequence[tuple[float, float]]) -> float:
+    """Share of a histogram's observations above ``threshold``, from ``(upper bound, cumulative
+    count)`` pairs (ascending, ``+Inf`` last), interpolated linearly inside the threshold's bucket as
+    ``histogram_quantile`` does; the ``+Inf`` bucket counts as above. NaN without observations."""
+    total = cumulative[-1][1] if cumulative else 0.0
+    if total <= 0:
+        return NAN
+    lower, below = 0.0, 0.0
+    for upper, count in cumulative:
+        if upper >= threshold:
+            if math.isfinite(upper) and upper > lower:
+                below += (count - below) * (threshold - lower) / (upper - lower)
+            return max(0.0, total - below) / total
+        lower, below = upper, count
+    return max(0.0, total - below) / total
+
+
 @dataclass(frozen=True)
 class Observations:
     """Figures of one model over the last rate window (summed or maxed over its pods).
@@ -76,7 +93,9 @@ class Observations:
     ``step_s_by_batch`` maps a decode batch-size bucket (1, 2, 4, ...) to the mean step
     time at that size, the raw material of the friendliness curve. ``prefill_s_per_token`` is the
     step time one prompt token adds (prefill steps beyond a decode step of their batch size, per
-    prompt token prefilled).
+    prompt token prefilled). ``itl_window_buckets`` are the inter-token histogram's cumulative counts
+    ``(upper bound, count)`` over the last hour (``ERROR_BUDGET_WINDOW_S``): what share of the gaps
+    the SLO's error budget has already spent; empty when the source does not give them.
     """
 
     p50_s: float = NAN
@@ -97,6 +116,7 @@ class Observations:
     prefill_s_per_token: float = NAN
     itl_p99_s: float = NAN
     itl_p99_saturated: bool = False
+    itl_window_buckets: tuple[tuple[float, float], ...] = ()
     window_s: float = NAN
     at_s: float = NAN
 

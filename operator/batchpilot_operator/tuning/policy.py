@@ -88,6 +88,12 @@ target: a request that arrives as a step starts waits for that step to end, so a
 makes it miss however short the queue is. A move under 5 % is not made. Otherwise it holds: a
 budget raised while nothing contends would only show its cost at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
 
+The gaps' target is a P99: 1 % of the gaps may run over it, the SLO's error budget. An interval
+whose gap P99 is over its target by at most 1/0.9 is read at the target (no cut, no ceiling) while
+the last hour's share of gaps over the target (``Observations.itl_window_buckets``) is under 0.8 %,
+the excuse narrowing linearly to nothing as that share reaches it; raises always read the interval
+as it is (:func:`batchpilot_operator.tuning.moves.excused_gap_share`).
+
 An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place
 of the P99 above wherever it decides alone: the data gate, headroom and the dead band; nothing
 is "over" for first tokens (no target and wait cuts, no latency cut of the cap for slow steps, no
@@ -128,6 +134,7 @@ from batchpilot_operator.tuning.moves import (
     cap_move,
     desired_wait_ms,
     direction,
+    excused_gap_share,
     itl_ratio,
     latency_ratio,
     memory_move,
@@ -207,8 +214,10 @@ def decide(
     estimate = measure(dict(curve)) if curve else None
     state = replace(state, step_curve=curve, decisions=state.decisions + 1)
 
+    note = ""  # what the error budget excused, said after every reason of this decision
+
     def hold(reason: str, new_state: PolicyState) -> Decision:
-        return Decision(window, "hold", reason, new_state, estimate)
+        return Decision(window, "hold", reason + note, new_state, estimate)
 
     # 2. Bounds win over everything, including the cooldown.
     if bounds.fields_outside(window) or window.target_batch_size > window.hard_cap:
@@ -220,11 +229,18 @@ def decide(
     untrusted = _untrusted(spec, obs, config)
     if untrusted is not None:
         return hold(untrusted, replace(state, headroom_streak=0))
+    # Gaps a little over their target while the last hour's error budget has room are judged at the
+    # target: no cut, no budget ceiling (the reasons still name the interval's own figure).
+    excused = excused_gap_share(spec, obs, config)
+    seen = obs
+    if excused is not None and spec.slo.inter_token_p99_ms is not None:
+        obs = obs.with_(itl_p99_s=spec.slo.inter_token_p99_ms / 1000.0)
+        note = reasons.excused(spec, seen, excused, config)
     reading = read(spec, obs, config)
     state = _advance_streaks(state, spec, reading, config)
     if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
         left_s = spec.tuning.cooldown_seconds - (now_s - state.last_change_s)
-        return hold(reasons.cooldown(spec, obs, left_s), state)
+        return hold(reasons.cooldown(spec, seen, left_s), state)
 
     # 4. The budget, from the two tails; a cut sets the ceiling that later raises stop below.
     budget = budget_move(spec, window, obs, reading.ratio, config, state.budget_ceiling)
@@ -254,15 +270,16 @@ def decide(
     if (new_target, new_cap, new_wait, budget.budget) != in_force:
         tail = tail_ratio(window, new_wait, obs, spec.tuning.max_step_fraction, bounds, config)
     if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
-        return hold(reasons.hold(spec, obs, reading, confirmed), state)
+        return hold(reasons.hold(spec, seen, reading, confirmed), state)
 
     # 8. Name the direction and say why.
     fields = (new_target, new_cap, new_wait, tail, budget.budget)
     moved = _direction(window, fields, bounds, reading)
     streak = state.headroom_streak if confirmed else None
     reason = reasons.change(
-        spec, obs, window, _window(window, fields), reading, (budget, cap_moved, target_wait), streak
+        spec, seen, window, _window(window, fields), reading, (budget, cap_moved, target_wait), streak
     )
+    reason += note
     if moved == "up":
         state = replace(state, headroom_streak=0)
     return _change(window, fields, moved, reason, state, now_s, estimate)

@@ -49,6 +49,15 @@ def cooldown(spec: BatchProfileSpec, obs: Observations, left_s: float) -> str:
     return f"{p99_text} vs {slo_text}, but in cooldown for {left_s:.0f} s more; holding."
 
 
+def excused(spec: BatchProfileSpec, obs: Observations, share: float, config: PolicyConfig) -> str:
+    """What the error budget excused, said after the decision's reason."""
+    return (
+        f" Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms is over its {spec.slo.inter_token_p99_ms:.0f} ms target"
+        f" this interval, within the error budget: {share:.2%} of the last hour's gaps over it"
+        f" ({config.gap_budget_share:.0%} allowed), so not cut."
+    )
+
+
 def memory(obs: Observations, cap: int) -> str:
     pressure = f"{obs.preemptions_per_s:.2g} preemptions/s"
     return f"{pressure}: lowering the cap to {cap} (and not raising it again until memory is calm)."
