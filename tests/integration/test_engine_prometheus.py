@@ -22,6 +22,7 @@ import yaml
 from batchpilot_operator.frontends.local import parse_runtime, run_local
 from batchpilot_operator.io.observe import to_observations
 from batchpilot_operator.io.promql import PrometheusSource
+from batchpilot_operator.tuning.observations import share_above
 from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
 from tests.support.engine_expositions import EngineExposition, Load, serving
 from tests.support.factories import make_manifest, make_spec_dict
@@ -95,6 +96,9 @@ async def test_vllm_and_sglang_profiles_read_through_prometheus_recommend_in_the
         obs = to_observations(metrics[("", model)], "ttft", at_s=0.0)
         assert obs.kv_usage_ratio == pytest.approx(SLOW_FIRST_TOKENS.kv_usage)
         assert 0.01 < obs.itl_p99_s <= 0.025  # 20 ms gaps; vLLM's old name holds 200 ms ones
+        # The error budget's hour of gaps, from the same names: none over 100 ms, none of the old name's.
+        assert obs.itl_window_buckets and obs.itl_window_buckets[-1][1] > 0
+        assert share_above(0.1, obs.itl_window_buckets) == 0.0
         assert obs.queue_depth == 200 and obs.mean_batch_size == 128
     print(out.getvalue())
     lines = [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]

@@ -31,6 +31,7 @@ from typing import Any
 from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, FOREIGN_ENGINES, EngineMetricNames
 from batchpilot_operator.io.observe import (
     ERROR_BUDGET_WINDOW_S,
+    INTER_TOKEN,
     LATENCY_HISTOGRAMS,
     RATE_COUNTERS,
     MetricsBuilder,
@@ -78,6 +79,15 @@ def _newest_first(template: str, names: Sequence[str]) -> str:
     return " or ".join(template.format(name) for name in names)
 
 
+def _gap_window(histograms: Sequence[str], by: str) -> str:
+    """The gaps' buckets over the error budget's hour, as counts, tagged: the policy reads the share
+    over each profile's own target from them (Prometheus cannot: the targets differ by profile)."""
+    window = f"[{ERROR_BUDGET_WINDOW_S}s]"
+    return _tag(
+        f"sum by ({by}, le) ({_newest_first('increase({}_bucket' + window + ')', histograms)})", ITL_WINDOW_SERIES
+    )
+
+
 def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str) -> tuple[list[str], ...]:
     """One foreign engine's sub-expressions of the latency, rates and gauges queries, tagged like batchpilot's."""
     by = f"{namespace_label}, {names.model_label}" if namespace_label else names.model_label
@@ -90,6 +100,8 @@ def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str
             latency.append(_as_model(tagged, names.model_label))
         count = f"sum by ({by}) ({_newest_first('rate({}_count' + w + ')', histograms)})"
         latency.append(_as_model(_tag(count, f"{slo_name}{COUNT_SUFFIX}"), names.model_label))
+    if INTER_TOKEN in names.latency:
+        latency.append(_as_model(_gap_window(names.latency[INTER_TOKEN], by), names.model_label))
     rates = [
         _as_model(_tag(f"sum by ({by}) (rate({counter}{w}))", series), names.model_label)
         for series, counter in names.counters.items()
@@ -137,12 +149,7 @@ def _batchpilot_queries(window_s: int, namespace_label: str | None) -> dict[str,
             quantile = f"histogram_quantile({q}, {buckets})"
             latency_parts.append(f'label_replace({_tag(quantile, slo_name)}, "{QUANTILE_LABEL}", "{q}", "", "")')
         latency_parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{w}))", f"{slo_name}{COUNT_SUFFIX}"))
-    # The gaps' buckets over the error budget's hour, as counts: the policy reads the share over
-    # each profile's own target from them (Prometheus cannot: the targets differ by profile).
-    budget_window = f"[{ERROR_BUDGET_WINDOW_S}s]"
-    latency_parts.append(
-        _tag(f"sum by ({by}, le) (increase({rm.INTER_TOKEN_SECONDS}_bucket{budget_window}))", ITL_WINDOW_SERIES)
-    )
+    latency_parts.append(_gap_window((rm.INTER_TOKEN_SECONDS,), by))
     latency = " or ".join(latency_parts)
     decode = f'{{{rm.LABEL_PHASE}="decode"}}'
     prefill = f'{{{rm.LABEL_PHASE}="prefill"}}'
