@@ -99,8 +99,9 @@ def test_the_queries_stay_three_for_every_engine_and_name_each_engines_metrics()
             assert all(f"{name}_bucket[60s]" in text for name in histograms)
         assert all(f"{counter}[60s]" in text for counter in names.counters.values())
         assert all(name in text for gauges in names.gauges.values() for name in gauges)
-        # The gaps' hour for the error budget, under each of the engine's names.
-        assert all(f"increase({name}_bucket[3600s])" in text for name in names.latency["interToken"])
+        # The gaps' hour for the error budget (a query of its own), under each of the engine's names.
+        hour = promql.build_gap_hour_query(engines=("batchpilot", "vllm", "sglang"))
+        assert all(f"increase({name}_bucket[3600s])" in hour for name in names.latency["interToken"])
     assert "label_replace(" in text and '"model", "$1", "model_name"' in text
     vllm_only = promql.build_queries(60, engines=("vllm",))
     assert "batchpilot_" not in " ".join(vllm_only.values())

@@ -137,29 +137,62 @@ def test_parse_results_groups_by_namespace_and_model() -> None:
     assert math.isnan(obs.preemptions_per_s)
 
 
-def test_the_latency_query_counts_the_gaps_over_the_error_budgets_hour_for_the_policy() -> None:
-    latency = promql.build_queries(60)["latency"]
-    assert "sum by (namespace, model, le) (increase(batchpilot_inter_token_seconds_bucket[3600s]))" in latency
+def test_the_gaps_hour_has_a_query_of_its_own_whose_answer_gives_the_policy_its_buckets() -> None:
+    assert promql.build_gap_hour_query() == (
+        "label_replace(sum by (namespace, model, le) (increase(batchpilot_inter_token_seconds_bucket[3600s])), "
+        '"bp_series", "interTokenWindow", "", "")'
+    )
+    assert "increase(" not in " ".join(promql.build_queries(60).values())  # the three stay cheap
     base = {"namespace": "ml", "model": "chat", "bp_series": "interTokenWindow"}
     results = {
-        "latency": [
+        "gapHour": [
             _sample({**base, "le": "0.05"}, 600.0),
             _sample({**base, "le": "0.1"}, 990.0),
             _sample({**base, "le": "+Inf"}, 1000.0),
             _sample({**base, "le": "not-a-number"}, 5.0),  # ignored, not an error
-            _sample({"namespace": "ml", "model": "chat", "bp_quantile": "0.99", "bp_series": "interToken"}, 0.09),
-        ]
+        ],
+        "latency": [
+            _sample({"namespace": "ml", "model": "chat", "bp_quantile": "0.99", "bp_series": "interToken"}, 0.09)
+        ],
     }
     obs = to_observations(lookup(promql.parse_results(results, 60), "ml", "chat"), "ttft", 100.0)
     assert obs.itl_window_buckets == ((0.05, 600.0), (0.1, 990.0), (math.inf, 1000.0))
     assert obs.itl_p99_s == pytest.approx(0.09)
-    # Without the series (another engine, a scrape) the policy has no hour to judge by.
-    assert (
-        to_observations(
-            lookup(promql.parse_results({"latency": results["latency"][-1:]}, 60), "ml", "chat"), "ttft", 1.0
-        ).itl_window_buckets
-        == ()
-    )
+    # Without the hour's answer (a failed query, a scrape source) the policy has no hour to judge by.
+    without = promql.parse_results({"latency": results["latency"]}, 60)
+    assert to_observations(lookup(without, "ml", "chat"), "ttft", 1.0).itl_window_buckets == ()
+
+
+async def test_the_gaps_hour_is_read_once_a_minute_and_its_failure_is_not_the_intervals() -> None:
+    source = promql.PrometheusSource("http://127.0.0.1:9", interval_s=15.0)
+    asked: list[str] = []
+    fail_hour = True
+    hour_answer = [_sample({"namespace": "ml", "model": "chat", "bp_series": "interTokenWindow", "le": "+Inf"}, 50.0)]
+
+    def answer(expr: str) -> list[dict[str, object]]:
+        asked.append(expr)
+        if "increase(" in expr:
+            if fail_hour:
+                raise RuntimeError("query processing would load too many samples into memory")
+            return hour_answer
+        return (
+            [_sample({"namespace": "ml", "model": "chat", "bp_series": "queue_depth"}, 3.0)] if "queue" in expr else []
+        )
+
+    source._query = answer  # type: ignore[method-assign]
+    try:
+        first = await source.collect({})
+        assert to_observations(lookup(first, "ml", "chat"), "ttft", 0.0).queue_depth == 3.0  # the interval's
+        assert to_observations(lookup(first, "ml", "chat"), "ttft", 0.0).itl_window_buckets == ()
+        assert sum("increase(" in e for e in asked) == 1 and source.last_stats.queries == 3
+        fail_hour = False
+        await source.collect({})  # within the minute: the hour is not asked again
+        assert sum("increase(" in e for e in asked) == 1
+        with_vllm = await source.collect({}, ["batchpilot", "vllm"])  # another engine: asked at once
+        assert sum("increase(" in e for e in asked) == 2
+        assert to_observations(lookup(with_vllm, "ml", "chat"), "ttft", 0.0).itl_window_buckets == ((math.inf, 50.0),)
+    finally:
+        source.close(wait=True)
 
 
 EXPOSITION = """# TYPE batchpilot_ttft_seconds histogram

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import math
 import re
 import time
@@ -42,12 +43,16 @@ from batchpilot_operator.io.observe import (
 from batchpilot_operator.io.outbound import format_bytes
 from batchpilot_runtime.contract import metric_names as rm
 
+log = logging.getLogger(__name__)
+
 SERIES_LABEL = "bp_series"
 QUANTILE_LABEL = "bp_quantile"
 COUNT_SUFFIX = "_count"
 QUANTILES = (0.5, 0.99, 0.999)
 DEFAULT_NAMESPACE_LABEL = "namespace"
 ITL_WINDOW_SERIES = "interTokenWindow"  # the gaps' buckets over the error budget's hour
+GAP_HOUR_QUERY = "gapHour"  # its query's name among the answers parse_results takes
+GAP_HOUR_REFRESH_S = 60.0  # the hour moves little in a minute; its query reads every sample of it
 # The pod's name on every series Prometheus scraped from a pod (prometheus-operator's PodMonitor and
 # ServiceMonitor, and Prometheus's own kubernetes_sd examples, set it): the per-pod query groups by it.
 DEFAULT_POD_LABEL = "pod"
@@ -88,6 +93,26 @@ def _gap_window(histograms: Sequence[str], by: str) -> str:
     )
 
 
+def build_gap_hour_query(
+    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL, engines: Collection[str] = (BATCHPILOT,)
+) -> str:
+    """The gaps' histogram over the error budget's hour, every model of every engine in one query.
+
+    A query of its own, run at most every ``GAP_HOUR_REFRESH_S``: it reads every sample of the hour
+    (pods x buckets x samples an hour), which at thousands of pods can pass Prometheus'
+    ``--query.max-samples``; its failure then only leaves the policy without the hour."""
+    by = f"{namespace_label}, {rm.LABEL_MODEL}" if namespace_label else rm.LABEL_MODEL
+    parts = [_gap_window((rm.INTER_TOKEN_SECONDS,), by)] if BATCHPILOT in engines else []
+    for engine in sorted(set(engines) - {BATCHPILOT}):
+        names = FOREIGN_ENGINES.get(engine)
+        if names is None:
+            raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        if INTER_TOKEN in names.latency:
+            foreign_by = f"{namespace_label}, {names.model_label}" if namespace_label else names.model_label
+            parts.append(_as_model(_gap_window(names.latency[INTER_TOKEN], foreign_by), names.model_label))
+    return " or ".join(parts)
+
+
 def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str) -> tuple[list[str], ...]:
     """One foreign engine's sub-expressions of the latency, rates and gauges queries, tagged like batchpilot's."""
     by = f"{namespace_label}, {names.model_label}" if namespace_label else names.model_label
@@ -100,8 +125,6 @@ def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str
             latency.append(_as_model(tagged, names.model_label))
         count = f"sum by ({by}) ({_newest_first('rate({}_count' + w + ')', histograms)})"
         latency.append(_as_model(_tag(count, f"{slo_name}{COUNT_SUFFIX}"), names.model_label))
-    if INTER_TOKEN in names.latency:
-        latency.append(_as_model(_gap_window(names.latency[INTER_TOKEN], by), names.model_label))
     rates = [
         _as_model(_tag(f"sum by ({by}) (rate({counter}{w}))", series), names.model_label)
         for series, counter in names.counters.items()
@@ -149,7 +172,6 @@ def _batchpilot_queries(window_s: int, namespace_label: str | None) -> dict[str,
             quantile = f"histogram_quantile({q}, {buckets})"
             latency_parts.append(f'label_replace({_tag(quantile, slo_name)}, "{QUANTILE_LABEL}", "{q}", "", "")')
         latency_parts.append(_tag(f"sum by ({by}) (rate({histogram}_count{w}))", f"{slo_name}{COUNT_SUFFIX}"))
-    latency_parts.append(_gap_window((rm.INTER_TOKEN_SECONDS,), by))
     latency = " or ".join(latency_parts)
     decode = f'{{{rm.LABEL_PHASE}="decode"}}'
     prefill = f'{{{rm.LABEL_PHASE}="prefill"}}'
@@ -263,12 +285,12 @@ def parse_results(
                 continue
             key = (str(labels.get(namespace_label, "")) if namespace_label else "", str(model))
             value = _value(sample)
-            if name == "latency":
-                if series == ITL_WINDOW_SERIES:
-                    upper_bound = _float_or_nan(labels.get("le"))
-                    if not math.isnan(upper_bound):
-                        builder.add_window_bucket(key, upper_bound, value)
-                elif series.endswith(COUNT_SUFFIX) and series.removesuffix(COUNT_SUFFIX) in LATENCY_HISTOGRAMS:
+            if name == GAP_HOUR_QUERY:
+                upper_bound = _float_or_nan(labels.get("le"))
+                if series == ITL_WINDOW_SERIES and not math.isnan(upper_bound):
+                    builder.add_window_bucket(key, upper_bound, value)
+            elif name == "latency":
+                if series.endswith(COUNT_SUFFIX) and series.removesuffix(COUNT_SUFFIX) in LATENCY_HISTOGRAMS:
                     builder.add_latency_count(key, series.removesuffix(COUNT_SUFFIX), value)
                 elif series in LATENCY_HISTOGRAMS and QUANTILE_LABEL in labels:
                     try:
@@ -291,7 +313,8 @@ class QueryStats:
 
 
 class PrometheusSource:
-    """Reads every profile's metrics with the three grouped queries of :func:`build_queries`."""
+    """Reads every profile's metrics with the three grouped queries of :func:`build_queries`, and the
+    gaps' hour with :func:`build_gap_hour_query` at most once every ``GAP_HOUR_REFRESH_S``."""
 
     def __init__(
         self,
@@ -328,7 +351,12 @@ class PrometheusSource:
             timeout=timeout_s,
             session=session,
         )
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="promql")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="promql")
+        # The gaps' hour, kept between its refreshes (build_gap_hour_query).
+        self._gap_hour_samples: list[dict[str, Any]] = []
+        self._gap_hour_at = -math.inf
+        self._gap_hour_engines: frozenset[str] = frozenset()
+        self._gap_hour_warned = False
 
     def close(self, wait: bool = False) -> None:
         """Stop the query threads; ``wait`` joins a query still running (tests do, to leave no thread behind)."""
@@ -375,8 +403,28 @@ class PrometheusSource:
         due profiles, whose names the queries read.
         """
         del targets
-        answers = await self._run(build_queries(self.window_s, self.namespace_label, engines))
-        return parse_results(answers, self.window_s, self.namespace_label)
+        main = self._run(build_queries(self.window_s, self.namespace_label, engines))
+        answers, _ = await asyncio.gather(main, self._refresh_gap_hour(frozenset(engines)))
+        return parse_results({**answers, GAP_HOUR_QUERY: self._gap_hour_samples}, self.window_s, self.namespace_label)
+
+    async def _refresh_gap_hour(self, engines: frozenset[str]) -> None:
+        """Read the gaps' hour again when ``GAP_HOUR_REFRESH_S`` has passed or the engines changed.
+        Its failure is not the interval's: without the hour the policy cuts every interval over target,
+        as it did before it had one."""
+        now = time.monotonic()
+        if engines == self._gap_hour_engines and now - self._gap_hour_at < GAP_HOUR_REFRESH_S:
+            return
+        self._gap_hour_at, self._gap_hour_engines = now, engines
+        try:
+            query = build_gap_hour_query(self.namespace_label, engines)
+            answer = await self._run({GAP_HOUR_QUERY: query}, record_stats=False)
+        except MetricsUnavailable as error:
+            if self._gap_hour_samples or not self._gap_hour_warned:
+                log.warning("the gaps' hour is unavailable, so no error budget for the gaps: %s", error)
+                self._gap_hour_warned = True
+            self._gap_hour_samples = []
+            return
+        self._gap_hour_samples = answer[GAP_HOUR_QUERY]
 
     async def collect_pods(
         self, targets: Mapping[ModelKey, Mapping[str, str]]
