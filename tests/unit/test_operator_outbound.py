@@ -124,7 +124,8 @@ async def test_prometheus_that_drips_or_floods_frees_its_query_threads(chaos: Ch
     source = PrometheusSource(chaos.url, timeout_s=0.5, max_body_bytes=1 << 20)
     with pytest.raises(MetricsUnavailable, match=cause):
         await source.collect({})
-    # Joins the three query threads (off the loop, which serves the chaos pod): each one let go of its answer.
+    # Joins the query threads (off the loop, which serves the chaos pod): each one let go of its answer,
+    # the three grouped queries' and the gaps' hour's.
     await asyncio.to_thread(source.close, True)
-    await wait_for(lambda: chaos.hung_up[mode] == 3, 10, "the three query threads to hang up")
+    await wait_for(lambda: chaos.hung_up[mode] == 4, 10, "the four query threads to hang up")
     assert all(sent < HUGE_BYTES // 4 for sent in chaos.sent_bytes)

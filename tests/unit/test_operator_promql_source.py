@@ -62,11 +62,13 @@ async def prom() -> AsyncIterator[FakePrometheus]:
     await runner.cleanup()
 
 
-async def test_three_grouped_queries_per_collection(prom: FakePrometheus) -> None:
+async def test_three_grouped_queries_per_collection_and_the_gaps_hour_once_a_minute(prom: FakePrometheus) -> None:
     source = PrometheusSource(prom.url, scrape_interval_s=15, interval_s=15, timeout_s=5)
     metrics = await source.collect({("ml", "chat"): [], ("ml", "other"): []})
+    assert len(prom.queries) == 4 and sum("increase(" in q for q in prom.queries) == 1
+    await source.collect({("ml", "chat"): [], ("ml", "other"): []})  # the next interval: the three alone
     source.close(wait=True)
-    assert len(prom.queries) == 3
+    assert len(prom.queries) == 7 and sum("increase(" in q for q in prom.queries) == 1
     assert all("[60s]" in q for q in prom.queries if "rate(" in q)
     obs = to_observations(lookup(metrics, "ml", "chat"), "ttft", 0.0)
     assert obs.p50_s == pytest.approx(0.1) and obs.queue_depth == 3 and obs.arrival_rate_per_s == 2
