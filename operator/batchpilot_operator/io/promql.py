@@ -84,6 +84,23 @@ def _newest_first(template: str, names: Sequence[str]) -> str:
     return " or ".join(template.format(name) for name in names)
 
 
+def _grouping(namespace_label: str | None, model_label: str) -> str:
+    """The labels every grouped query sums by: namespace (when profiles are matched by it) and model."""
+    return f"{namespace_label}, {model_label}" if namespace_label else model_label
+
+
+def _foreign_engines(engines: Collection[str]) -> list[EngineMetricNames]:
+    """The names of each engine in ``engines`` other than batchpilot, in a stable order; ValueError
+    naming an unknown one."""
+    known = []
+    for engine in sorted(set(engines) - {BATCHPILOT}):
+        names = FOREIGN_ENGINES.get(engine)
+        if names is None:
+            raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        known.append(names)
+    return known
+
+
 def _gap_window(histograms: Sequence[str], by: str) -> str:
     """The gaps' buckets over the error budget's hour, as counts, tagged: the policy reads the share
     over each profile's own target from them (Prometheus cannot: the targets differ by profile)."""
@@ -101,21 +118,19 @@ def build_gap_hour_query(
     A query of its own, run at most every ``GAP_HOUR_REFRESH_S``: it reads every sample of the hour
     (pods x buckets x samples an hour), which at thousands of pods can pass Prometheus'
     ``--query.max-samples``; its failure then only leaves the policy without the hour."""
-    by = f"{namespace_label}, {rm.LABEL_MODEL}" if namespace_label else rm.LABEL_MODEL
-    parts = [_gap_window((rm.INTER_TOKEN_SECONDS,), by)] if BATCHPILOT in engines else []
-    for engine in sorted(set(engines) - {BATCHPILOT}):
-        names = FOREIGN_ENGINES.get(engine)
-        if names is None:
-            raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    parts = []
+    if BATCHPILOT in engines:
+        parts.append(_gap_window((rm.INTER_TOKEN_SECONDS,), _grouping(namespace_label, rm.LABEL_MODEL)))
+    for names in _foreign_engines(engines):
         if INTER_TOKEN in names.latency:
-            foreign_by = f"{namespace_label}, {names.model_label}" if namespace_label else names.model_label
-            parts.append(_as_model(_gap_window(names.latency[INTER_TOKEN], foreign_by), names.model_label))
+            by = _grouping(namespace_label, names.model_label)
+            parts.append(_as_model(_gap_window(names.latency[INTER_TOKEN], by), names.model_label))
     return " or ".join(parts)
 
 
 def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str) -> tuple[list[str], ...]:
     """One foreign engine's sub-expressions of the latency, rates and gauges queries, tagged like batchpilot's."""
-    by = f"{namespace_label}, {names.model_label}" if namespace_label else names.model_label
+    by = _grouping(namespace_label, names.model_label)
     latency = []
     for slo_name, histograms in names.latency.items():
         buckets = f"sum by ({by}, le) ({_newest_first('rate({}_bucket' + w + ')', histograms)})"
@@ -151,10 +166,7 @@ def build_queries(
     """
     queries = _batchpilot_queries(window_s, namespace_label) if BATCHPILOT in engines else {}
     w = f"[{window_s}s]"
-    for engine in sorted(set(engines) - {BATCHPILOT}):
-        names = FOREIGN_ENGINES.get(engine)
-        if names is None:
-            raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    for names in _foreign_engines(engines):
         for name, parts in zip(("latency", "rates", "gauges"), _foreign_parts(names, namespace_label, w), strict=True):
             queries[name] = " or ".join([queries[name], *parts] if name in queries else parts)
     return queries
@@ -162,7 +174,7 @@ def build_queries(
 
 def _batchpilot_queries(window_s: int, namespace_label: str | None) -> dict[str, str]:
     """batchpilot's own sub-expressions of the three queries (it alone exports step times and admissions)."""
-    by = f"{namespace_label}, {rm.LABEL_MODEL}" if namespace_label else rm.LABEL_MODEL
+    by = _grouping(namespace_label, rm.LABEL_MODEL)
     w = f"[{window_s}s]"
     # Prometheus computes the quantiles (a few series per model, not a whole histogram's buckets).
     latency_parts = []
