@@ -1,5 +1,6 @@
 """The inter-token SLO's error budget: a gap P99 a little over its target is not cut while the last
-hour's share of gaps over the target leaves room (moves.excused_gap_share)."""
+hour's share of gaps over the target leaves room (moves.excused_gap_share), and an hour over that
+budget is paid back by reading the gaps longer (moves.gap_payback)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot_operator.tuning.moves import DEFAULT_CONFIG, excused_gap_share
+from batchpilot_operator.tuning.moves import DEFAULT_CONFIG, excused_gap_share, gap_payback
 from batchpilot_operator.tuning.observations import share_above
 from batchpilot_operator.tuning.policy import PolicyState, decide
 from tests.support.factories import make_observations
@@ -129,3 +130,71 @@ def test_without_an_inter_token_objective_nothing_is_excused() -> None:
         excused_gap_share(spec, make_observations(0.2, itl_p99_s=0.5, itl_window_buckets=hour(0.0)), DEFAULT_CONFIG)
         is None
     )
+
+
+def test_an_hour_over_budget_reads_the_gaps_longer_by_its_overspend_up_to_five_percent() -> None:
+    spec, _ = itl_spec()
+
+    def payback(share: float, **fields: object) -> tuple[float, float] | None:
+        obs = make_observations(0.2, itl_p99_s=fields.pop("itl_p99_s", 0.097), itl_window_buckets=hour(share), **fields)
+        return gap_payback(spec, obs, DEFAULT_CONFIG)
+
+    assert payback(0.0) is None
+    assert payback(0.01) is None  # exactly the budget: nothing to pay back
+    share, factor = payback(0.0102) or (0.0, 0.0)
+    assert share == pytest.approx(0.0102) and factor == pytest.approx(1.02)
+    assert payback(0.03) == (pytest.approx(0.03), 1.05)
+    assert payback(0.03, itl_p99_saturated=True) is None  # nothing to read longer
+    assert (
+        gap_payback(
+            spec, make_observations(0.2, itl_p99_s=0.097, itl_window_buckets=hour(0.03, gaps=500.0)), DEFAULT_CONFIG
+        )
+        is None
+    )
+
+
+@given(st.floats(0.0, 0.2), st.floats(0.0, 0.2))
+def test_the_payback_factor_grows_with_the_overspend_and_stays_within_its_bound(low: float, high: float) -> None:
+    spec, _ = itl_spec()
+    low, high = sorted((low, high))
+    factors = [
+        (
+            gap_payback(spec, make_observations(0.2, itl_p99_s=0.09, itl_window_buckets=hour(s)), DEFAULT_CONFIG)
+            or (0, 1.0)
+        )[1]
+        for s in (low, high)
+    ]
+    assert 1.0 <= factors[0] <= factors[1] <= DEFAULT_CONFIG.gap_payback_max
+
+
+def test_gaps_just_under_target_are_cut_while_the_hour_is_over_budget_and_the_reason_says_why() -> None:
+    spec, window = itl_spec(budget=2048)
+    calm = decide(
+        spec, window, make_observations(0.2, itl_p99_s=0.097, itl_window_buckets=hour(0.009)), PolicyState(), 100.0
+    )
+    assert calm.direction == "hold"  # within budget: 97 ms under a 100 ms target is left alone
+    over = decide(
+        spec, window, make_observations(0.2, itl_p99_s=0.097, itl_window_buckets=hour(0.02)), PolicyState(), 100.0
+    )
+    assert over.direction == "down"
+    # Read as 97 x 1.05 = 101.85 ms and aimed at 85 % of the target: 2048 x 0.85 / 1.0185 = 1709.2,
+    # a cut rounding up to a whole token.
+    assert over.window.max_prefill_tokens == 1710
+    assert over.state.budget_ceiling == 1710
+    assert (
+        "2.00% of the last hour's gaps were over the 100 ms inter-token target (1% allowed): this interval's"
+        " gaps are read 5% longer until that is paid back." in over.reason
+    )
+    assert "inter-token P99 97 ms" in over.reason  # the reason names the interval's own figure
+
+
+def test_an_hour_over_budget_stops_a_raise_for_first_tokens_lower() -> None:
+    spec, window = itl_spec(budget=1000)
+    waiting = {"itl_p99_s": 0.080, "prefill_s_per_token": 2e-5}
+    without = decide(spec, window, make_observations(1.4, **waiting), PolicyState(), 100.0)
+    paying = decide(
+        spec, window, make_observations(1.4, itl_window_buckets=hour(0.0103), **waiting), PolicyState(), 100.0
+    )
+    assert without.direction == paying.direction == "up"
+    assert 1000 < (paying.window.max_prefill_tokens or 0) < (without.window.max_prefill_tokens or 0)
+    assert "read 3% longer" in paying.reason

@@ -92,7 +92,10 @@ The gaps' target is a P99: 1 % of the gaps may run over it, the SLO's error budg
 whose gap P99 is over its target by at most 1/0.9 is read at the target (no cut, no ceiling) while
 the last hour's share of gaps over the target (``Observations.itl_window_buckets``) is under 0.8 %,
 the excuse narrowing linearly to nothing as that share reaches it; raises always read the interval
-as it is (:func:`batchpilot_operator.tuning.moves.excused_gap_share`).
+as it is (:func:`batchpilot_operator.tuning.moves.excused_gap_share`). An hour that spent more than
+the 1 % is paid back: each interval's gap P99 is read longer by the hour's share over 1 %, at most
+5 %, so cuts go a little deeper and raises stop a little lower until the hour is back within budget
+(:func:`batchpilot_operator.tuning.moves.gap_payback`).
 
 An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place
 of the P99 above wherever it decides alone: the data gate, headroom and the dead band; nothing
@@ -135,6 +138,7 @@ from batchpilot_operator.tuning.moves import (
     desired_wait_ms,
     direction,
     excused_gap_share,
+    gap_payback,
     itl_ratio,
     latency_ratio,
     memory_move,
@@ -231,11 +235,16 @@ def decide(
         return hold(untrusted, replace(state, headroom_streak=0))
     # Gaps a little over their target while the last hour's error budget has room are judged at the
     # target: no cut, no budget ceiling (the reasons still name the interval's own figure).
+    # Gaps read longer while the hour is over that budget, so that it is paid back.
     excused = excused_gap_share(spec, obs, config)
+    payback = gap_payback(spec, obs, config)
     seen = obs
     if excused is not None and spec.slo.inter_token_p99_ms is not None:
         obs = obs.with_(itl_p99_s=spec.slo.inter_token_p99_ms / 1000.0)
         note = reasons.excused(spec, seen, excused, config)
+    elif payback is not None:
+        obs = obs.with_(itl_p99_s=obs.itl_p99_s * payback[1])
+        note = reasons.overspent(spec, *payback, config)
     reading = read(spec, obs, config)
     state = _advance_streaks(state, spec, reading, config)
     if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:

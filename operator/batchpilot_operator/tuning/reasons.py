@@ -58,6 +58,15 @@ def excused(spec: BatchProfileSpec, obs: Observations, share: float, config: Pol
     )
 
 
+def overspent(spec: BatchProfileSpec, share: float, factor: float, config: PolicyConfig) -> str:
+    """What paying back an overspent error budget changed, said after the decision's reason."""
+    return (
+        f" {share:.2%} of the last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms inter-token target"
+        f" ({config.gap_budget_share:.0%} allowed): this interval's gaps are read {factor - 1:.0%} longer"
+        " until that is paid back."
+    )
+
+
 def memory(obs: Observations, cap: int) -> str:
     pressure = f"{obs.preemptions_per_s:.2g} preemptions/s"
     return f"{pressure}: lowering the cap to {cap} (and not raising it again until memory is calm)."
