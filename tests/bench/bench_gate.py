@@ -6,10 +6,13 @@ Three processes, as in a pod: an upstream stand-in (uvicorn, the server vLLM and
 that streams ``--tokens`` SSE events ``--token-gap-ms`` apart, its first at once; the gate in
 front of it (``python -m batchpilot_runtime.gate.cli``, a window that never holds a request back:
 target 1, wait 0, a cap above the concurrency); and this client, which keeps ``--concurrency``
-streams open at all times, each on its own connection, timing from its connect to the first
-``data:`` bytes. Rounds alternate direct and through the gate so both see the same load on the
-host; the added TTFT is the gate's quantile minus the direct one. The gate's admission, its
-upstream connection pool and its copy of every chunk are all on the measured path.
+streams open, each on its own connection, timing from its connect to the first ``data:`` bytes.
+The streams start spread over one answer's length, so that their requests arrive evenly spaced
+as under steady load (``--burst``: all at once, and equal answers keep them in step, the worst
+case). Rounds alternate direct and through the gate so both see the same load on the host; the
+added TTFT is the gate's quantile minus the direct one. The gate's admission, its upstream
+connection pool and its copy of every chunk are all on the measured path. ``--gate-cpus`` pins
+the gate apart from the client and the upstream, as a sidecar with a CPU of its own.
 """
 
 from __future__ import annotations
@@ -56,13 +59,17 @@ async def one_stream(host: str, port: int, body: bytes) -> float:
     return first_s
 
 
-async def run_round(url: str, concurrency: int, per_stream: int, body: bytes) -> list[float]:
+async def run_round(url: str, concurrency: int, per_stream: int, body: bytes, spread_s: float = 0.0) -> list[float]:
+    """TTFTs of ``concurrency`` streams, each sending ``per_stream`` requests one after another; the
+    k-th stream starts ``k / concurrency`` of ``spread_s`` late, so that with ``spread_s`` one answer's
+    length their requests arrive evenly spaced instead of all at once."""
     host, port = url.removeprefix("http://").split(":")
 
-    async def worker() -> list[float]:
+    async def worker(k: int) -> list[float]:
+        await asyncio.sleep(spread_s * k / concurrency)
         return [await one_stream(host, int(port), body) for _ in range(per_stream)]
 
-    results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+    results = await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return [ttft for stream in results for ttft in stream]
 
 
@@ -82,6 +89,29 @@ def serve_upstream(ready_file: Path, tokens: int, token_gap_s: float) -> None:
     import uvloop  # as vLLM and SGLang serve
 
     uvloop.run(http_server(StandIn(token_delay_s=token_gap_s)).serve(sockets=[sock]))
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs from ``0,2`` or ``1-3``, each one this process may run on."""
+    allowed = os.sched_getaffinity(0)
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            cpus.update(range(int(first), int(last if dash else first) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1 or 0,2 or 1-3)") from None
+    if not cpus or not cpus < allowed:
+        raise argparse.ArgumentTypeError(
+            f"--gate-cpus {text!r} must name some but not all of the CPUs this process may use, {sorted(allowed)}"
+        )
+    return cpus
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (Linux affinity is per thread; new ones inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
 
 
 def wait_for(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
@@ -105,6 +135,18 @@ def main() -> int:
         "--token-gap-ms", type=float, default=20.0, help="gap between two events of the upstream (50 tokens/s)"
     )
     parser.add_argument("--json", type=Path, default=Path("out/bench/gate.json"), help="output JSON path")
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="start every stream of a round at once (the worst case: equal answers keep them in step, "
+        "so each request of a stream arrives with all the others); default: starts spread over one answer",
+    )
+    parser.add_argument(
+        "--gate-cpus",
+        type=cpu_list,
+        help="pin the gate to these CPUs (e.g. 1) and the client and upstream to the others, as a "
+        "sidecar with its own CPU request; default: all three share every CPU",
+    )
     parser.add_argument("--serve-upstream", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream is not None:
@@ -133,6 +175,11 @@ def main() -> int:
                 env=env,
             )  # fmt: skip
             wait_for(gate_file, gate, "the gate")
+            if args.gate_cpus is not None:
+                rest = os.sched_getaffinity(0) - args.gate_cpus
+                pin(gate.pid, args.gate_cpus)
+                for pid in (upstream.pid, os.getpid()):
+                    pin(pid, rest)
             gate_url = RuntimeInfo.read(gate_file).serve_url
             result = asyncio.run(measure(args, upstream_url, gate_url, body, gate.pid))
         finally:
@@ -140,7 +187,12 @@ def main() -> int:
                 if process is not None:
                     process.terminate()
                     process.wait(30)
-    result["host"] = {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "python": platform.python_version()}
+    result["host"] = {
+        "cpus": os.cpu_count(),
+        "gate_cpus": sorted(args.gate_cpus) if args.gate_cpus is not None else None,
+        "load_avg_1m": os.getloadavg()[0],
+        "python": platform.python_version(),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     added = result["added_ttft_ms"]
@@ -164,10 +216,11 @@ async def measure(
     gated: list[float] = []
     round_added_p50_ms: list[float] = []
     gate_cpu_s = 0.0  # the gate's CPU time over its rounds (it idles through the direct ones)
+    spread_s = 0.0 if args.burst else args.tokens * args.token_gap_ms / 1000.0
     for _ in range(args.rounds):
-        direct_round = await run_round(upstream_url, args.concurrency, args.per_stream, body)
+        direct_round = await run_round(upstream_url, args.concurrency, args.per_stream, body, spread_s)
         cpu_before_s = cpu_seconds(gate_pid)
-        gate_round = await run_round(gate_url, args.concurrency, args.per_stream, body)
+        gate_round = await run_round(gate_url, args.concurrency, args.per_stream, body, spread_s)
         gate_cpu_s += cpu_seconds(gate_pid) - cpu_before_s
         direct += direct_round
         gated += gate_round
@@ -183,6 +236,7 @@ async def measure(
     direct_ms, gate_ms = summary(direct), summary(gated)
     return {
         "concurrency": args.concurrency,
+        "arrivals": "burst" if args.burst else "spread",
         "tokens": args.tokens,
         "token_gap_ms": args.token_gap_ms,
         "samples_per_mode": len(direct),
