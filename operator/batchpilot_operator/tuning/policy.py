@@ -235,7 +235,8 @@ def decide(
         return hold(untrusted, replace(state, headroom_streak=0))
     # Gaps a little over their target while the last hour's error budget has room are judged at the
     # target: no cut, no budget ceiling (the reasons still name the interval's own figure).
-    # Gaps read longer while the hour is over that budget, so that it is paid back.
+    # While the hour is over that budget the gaps are read longer, so that it is paid back; the
+    # reasons then name the figure as read, and the note the interval's own.
     excused = excused_gap_share(spec, obs, config)
     payback = gap_payback(spec, obs, config)
     seen = obs
@@ -244,7 +245,8 @@ def decide(
         note = reasons.excused(spec, seen, excused, config)
     elif payback is not None:
         obs = obs.with_(itl_p99_s=obs.itl_p99_s * payback[1])
-        note = reasons.overspent(spec, *payback, config)
+        note = reasons.overspent(spec, seen, *payback, config)
+        seen = obs
     reading = read(spec, obs, config)
     state = _advance_streaks(state, spec, reading, config)
     if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:

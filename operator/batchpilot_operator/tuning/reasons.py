@@ -58,12 +58,14 @@ def excused(spec: BatchProfileSpec, obs: Observations, share: float, config: Pol
     )
 
 
-def overspent(spec: BatchProfileSpec, share: float, factor: float, config: PolicyConfig) -> str:
-    """What paying back an overspent error budget changed, said after the decision's reason."""
+def overspent(spec: BatchProfileSpec, obs: Observations, share: float, factor: float, config: PolicyConfig) -> str:
+    """What paying back an overspent error budget changed, said after the decision's reason (which
+    names the gaps as read)."""
     return (
-        f" {share:.2%} of the last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms inter-token target"
-        f" ({config.gap_budget_share:.0%} allowed): this interval's gaps are read {factor - 1:.0%} longer"
-        " until that is paid back."
+        f" The interval's inter-token P99 of {obs.itl_p99_s * 1000:.0f} ms is read {factor - 1:.0%} longer"
+        f" ({obs.itl_p99_s * factor * 1000:.0f} ms) until the error budget is paid back: {share:.2%} of the"
+        f" last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms target"
+        f" ({config.gap_budget_share:.0%} allowed)."
     )
 
 
