@@ -31,6 +31,9 @@ def test_bisection_finds_the_edge_of_a_monotone_answer(edge: float, tolerance: f
     # Every load tried is on the grid, and the answer is one that was tried and met.
     assert all(abs(m / tolerance - round(m / tolerance)) < 1e-6 for m in calls)
     assert found == 0.0 or found in calls
+    # The lightest load (the slowest to simulate) is run only when nothing above it met.
+    lightest = round(math.ceil(0.02 / tolerance - 1e-9) * tolerance, 6)
+    assert (lightest in calls) == (found <= lightest)
 
 
 def test_bisection_says_zero_when_even_the_lightest_load_fails_and_the_top_when_all_pass() -> None:
