@@ -126,6 +126,12 @@ class StandIn:
                 )
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+            if (request.get("stream_options") or {}).get("include_usage"):  # as vLLM and SGLang end it
+                usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+                last = {"object": "text_completion", "choices": [], "usage": usage}
+                await send(
+                    {"type": "http.response.body", "body": f"data: {json.dumps(last)}\n\n".encode(), "more_body": True}
+                )
             self.in_flight -= 1
             counted = False
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})

@@ -210,6 +210,24 @@ def test_a_burst_loses_no_request(tmp_path: Path) -> None:
     assert stand_in.max_in_flight <= 2
 
 
+def test_a_long_streamed_answer_is_counted_from_the_usage_object_that_ends_it(tmp_path: Path) -> None:
+    # 6000 events of about 110 bytes: the answer passes the 64 KiB the gate keeps of it many times over.
+    request = {"model": "m", "prompt": "x", "max_tokens": 6000, "stream": True}
+    request["stream_options"] = {"include_usage": True}
+    with (
+        upstream_thread(StandIn()) as (upstream, _),
+        gate_thread(tmp_path, upstream, Window(target_batch_size=1, hard_cap=2, max_wait_ms=0)) as gated,
+        httpx.Client(timeout=60.0) as http,
+    ):
+        with http.stream("POST", gated.serve_url + "/v1/completions", json=request) as response:
+            text, _ = _stream_text(response)
+        wait_until(lambda: _completed(gated) == 1, 30, "the answer counted")
+        metrics = gated.gate.metrics.exposition().decode()
+    assert len(text.split()) == 6000
+    assert _sample(metrics, mn.PROMPT_TOKENS_TOTAL, model="tiny-test") == 3  # read from the usage object
+    assert _sample(metrics, f"{mn.INTER_TOKEN_SECONDS}_count", lane="default") >= 1
+
+
 def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
     """A request sent on a bare socket, so that the test decides when the client hangs up (close)."""
     host, port = url.removeprefix("http://").split(":")

@@ -45,6 +45,7 @@ Send = Callable[[Message], Awaitable[None]]
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 PASSTHROUGH_PATHS = frozenset({"/v1/models", "/health"})
 MAX_BODY_BYTES = 16 * 1024 * 1024
+TAIL_BYTES = 65536  # of an answer kept for its usage object
 DRAINING_RETRY_AFTER_S = 1
 # Headers that belong to one hop (RFC 9110 section 7.6.1), never forwarded either way; uvicorn sets its own.
 _HOP_BY_HOP = frozenset(
@@ -87,7 +88,9 @@ class _Exchange:
     last_chunk_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     events: int = 0
-    tail: bytes = b""  # the last bytes of the answer, where a usage object would be
+    # The answer's last bytes, where a usage object would be: at least TAIL_BYTES of them, trimmed
+    # only once twice that has gathered, so that a long answer's chunks are not copied each time.
+    tail: bytearray = field(default_factory=bytearray)
     outcome: str = "cancelled"
     response_started: bool = False
     streamed: bool = False
@@ -283,7 +286,9 @@ class GateApp:
                 now_s = clock()
                 if streamed:
                     self._observe_chunk(exchange, chunk, now_s)
-                exchange.tail = (exchange.tail + chunk)[-65536:]
+                exchange.tail += chunk
+                if len(exchange.tail) > 2 * TAIL_BYTES:
+                    del exchange.tail[:-TAIL_BYTES]
         except UpstreamError as error:
             exchange.outcome = "error"
             logger.warning("upstream failed mid-answer", extra={"upstream": self.upstream, "error": repr(error)})
@@ -315,7 +320,8 @@ class GateApp:
 
     def _report(self, exchange: _Exchange) -> None:
         admitted = exchange.admitted
-        usage = _usage_tokens(exchange.tail, exchange.streamed) if exchange.response_started else None
+        tail = bytes(exchange.tail[-TAIL_BYTES:])
+        usage = _usage_tokens(tail, exchange.streamed) if exchange.response_started else None
         prompt_tokens, completion_tokens = usage if usage is not None else (0, exchange.events)
         finished_s = self.gate.clock()
         timings = RequestTimings(
