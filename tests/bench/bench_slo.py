@@ -36,6 +36,8 @@ model version at the same batch), run under ``adaptive`` at 90 % of its post-cha
 reporting how many intervals both tails take to come back under the SLO. ``--adaptive-only`` runs
 only what observes (adaptive, the step-cost change, steady load): the static windows are judged on
 exact latencies, so a change to the policy or to what it observes leaves their columns as they were.
+``--above-edge K`` also runs the K loads just above each capacity found: the bisection assumes that
+more load never helps, and a load above the edge that meets the SLO shows a cell where it did.
 
 Usage::
 
@@ -111,6 +113,7 @@ class Job:
     cost: CostModel
     tolerance: float
     candidates: tuple[Window, ...] = ()  # best_static: the grid
+    above_edge: int = 0  # loads above the capacity found to run as well (--above-edge)
 
     @property
     def step_itl_s(self) -> float | None:
@@ -157,6 +160,9 @@ def run_job(job: Job) -> dict[str, Any]:
         window, adaptive = job.window, job.policy == "adaptive"
         capacity = bisect_capacity(lambda m: _meets(job, window, adaptive, m), tolerance=job.tolerance)
     outcome = _at(job, window, adaptive, capacity)
+    # The bisection assumes more load never helps; the loads just above its edge show where that fails.
+    above = [round(capacity + k * job.tolerance, 6) for k in range(1, job.above_edge + 1)]
+    result_above = [{"multiplier": m, "meets": _meets(job, window, adaptive, m)} for m in above if m <= 1.5]
     return {
         "replay": job.replay,
         "slo": job.slo.label(),
@@ -174,6 +180,7 @@ def run_job(job: Job) -> dict[str, Any]:
             "decisions_per_hour": outcome.decisions / (job.requests[-1].arrival_s / max(capacity, 0.02) / 3600.0),
             "final_window": outcome.final_window.model_dump(by_alias=True, mode="json"),
         },
+        "above_edge": result_above,
         "wall_s": time.perf_counter() - began,
     }
 
@@ -297,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         help="only the policies that observe (adaptive, the step-cost change, steady load): the static "
         "windows are judged on exact latencies, so a policy or observation change leaves their columns as they were",
     )
+    parser.add_argument(
+        "--above-edge",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run the K loads just above each capacity found: one that meets marks a cell where more "
+        "load helped, which the bisection assumes never happens (default 0: none)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -309,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     minutes = args.minutes if args.minutes is not None else (10.0 if args.quick else 30.0)
     if not minutes > 0:
         parser.error(f"--minutes must be > 0, got {minutes}")
+    if args.above_edge < 0:
+        parser.error(f"--above-edge must be >= 0, got {args.above_edge}")
     tolerance = 0.02 if args.quick else 0.01
     cost = A100_LLAMA2_7B
     began = time.perf_counter()
@@ -329,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def jobs_for(policy: str, window: Window | None, extra: tuple[Window, ...] = ()) -> list[Job]:
         return [
-            Job(name, slo, policy, window, tuple(requests), cost, tolerance, extra)
+            Job(name, slo, policy, window, tuple(requests), cost, tolerance, extra, args.above_edge)
             for name, requests in replays.items()
             for slo in slos
         ]
@@ -349,7 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     tuned_on = {} if args.adaptive_only else elsewhere_sources(replays)
     elsewhere = [
-        Job(name, slo, "tuned_elsewhere", best[(other, slo.label())], tuple(replays[name]), cost, tolerance)
+        Job(
+            name,
+            slo,
+            "tuned_elsewhere",
+            best[(other, slo.label())],
+            tuple(replays[name]),
+            cost,
+            tolerance,
+            above_edge=args.above_edge,
+        )
         for name, other in tuned_on.items()
         if other is not None
         for slo in slos
@@ -448,11 +474,16 @@ def _print_summary(report: dict[str, Any]) -> None:
     order = ("adaptive", "best_static", "engine_defaults", "starting_window", "tuned_elsewhere", "per_step_itl")
     print(f"SLO capacity (arrival-rate multiplier), A100 Llama-2-7B step costs; {report['wall_s']:.0f} s")
     print(f"{'replay':16} {'SLO':12} " + " ".join(f"{p:>16}" for p in order))
+
+    def shown(result: dict[str, Any]) -> str:
+        met_above = [a["multiplier"] for a in result.get("above_edge", []) if a["meets"]]
+        return f"{result['capacity']:.2f}" + (f" (+{max(met_above):.2f})" if met_above else "")
+
     for cell in report["cells"].values():
-        row = " ".join(
-            f"{cell['policies'][p]['capacity']:>16.2f}" if p in cell["policies"] else f"{'-':>16}" for p in order
-        )
+        row = " ".join(f"{shown(cell['policies'][p]):>16}" if p in cell["policies"] else f"{'-':>16}" for p in order)
         print(f"{cell['replay']:16} {cell['slo']:12} {row}")
+    if any(r.get("above_edge") for cell in report["cells"].values() for r in cell["policies"].values()):
+        print("(+x): the highest of the loads run above the capacity found that met the SLO as well")
     tuned_on = {
         cell["replay"]: cell["policies"]["tuned_elsewhere"]["tuned_on"]
         for cell in report["cells"].values()

@@ -61,6 +61,12 @@ def test_bench_policy_loads_refuses_a_nonpositive_load() -> None:
         bench_policy_loads.main(["--loads", "0"])
 
 
+def test_bench_slo_refuses_a_negative_count_of_loads_above_the_edge(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_slo.main(["--above-edge", "-1"])
+    assert "--above-edge must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_bench_slo_writes_the_issue_fields_and_the_hindsight_search_beats_the_grid_windows(tmp_path: Path) -> None:
     out = tmp_path / "slo.json"
     argv = ["--quick", "--minutes", "3", "--no-servegen", "--slo-ttft-ms", "1000", "--slo-itl-ms", "100"]
@@ -81,13 +87,20 @@ def test_bench_slo_writes_the_issue_fields_and_the_hindsight_search_beats_the_gr
     assert report["step_cost_change"]["intervals_to_recover"] >= 0
     assert report["steady_load"]["decisions_per_hour"] >= 0
 
-    # The same cell with only the policies that observe: adaptive's figures are the full run's.
+    # The same cell with only the policies that observe: adaptive's figures are the full run's, and the
+    # two loads above its edge (the quick grid's 0.02 apart) ran as well.
     alone = tmp_path / "adaptive.json"
-    assert bench_slo.main([*argv, "--adaptive-only", "--workers", "1", "--json", str(alone)]) == 0
+    argv_alone = [*argv, "--adaptive-only", "--above-edge", "2", "--workers", "1", "--json", str(alone)]
+    assert bench_slo.main(argv_alone) == 0
     again = json.loads(alone.read_text())
     assert set(again["capacity"]) == {"adaptive"}
     assert again["capacity"]["adaptive"] == report["capacity"]["adaptive"]
     assert again["at_capacity"]["adaptive"] == report["at_capacity"]["adaptive"]
+    edge = again["capacity"]["adaptive"]
+    above = again["cells"]["azure 1000ms/100ms"]["policies"]["adaptive"]["above_edge"]
+    assert [a["multiplier"] for a in above] == [pytest.approx(edge + 0.02), pytest.approx(edge + 0.04)]
+    assert all(isinstance(a["meets"], bool) for a in above)
+    assert report["cells"]["azure 1000ms/100ms"]["policies"]["adaptive"]["above_edge"] == []
     assert again["step_cost_change"] == report["step_cost_change"]
     assert again["targets"]["per_cell"] == {}  # nothing to compare with: no target is reported missed
 
