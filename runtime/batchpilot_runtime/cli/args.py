@@ -28,6 +28,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def dtype_name(text: str) -> str:
+    """One of the dtypes the model runs in (``model.device``)."""
+    from batchpilot_runtime.model.device import DTYPE_NAMES
+
+    if text not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPE_NAMES)}, got {text!r}")
+    return text
+
+
 ENV_PREFIX = "BATCHPILOT_"
 
 

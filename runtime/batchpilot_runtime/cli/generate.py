@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchpilot_runtime.cli.args import dtype_name
+
 if TYPE_CHECKING:
     from batchpilot_runtime.contract.window import Window
     from batchpilot_runtime.engine.engine import Engine
@@ -49,6 +51,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batching", choices=("continuous", "static"), default="continuous")
     parser.add_argument("--max-prefill-tokens", type=int, help="chunked-prefill budget per step (default: none)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument(
+        "--dtype", type=dtype_name, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)"
+    )
     parser.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
@@ -99,6 +104,7 @@ def _build_engine(args: argparse.Namespace, prompt_count: int) -> tuple[Engine, 
         max_queue=max(prompt_count, 1),
         max_prefill_tokens_per_step=args.max_prefill_tokens,
         seed=args.seed,
+        dtype=args.dtype,
         batch_invariant=args.batch_invariant,
     )
     return engine, window

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = tuple(_DTYPES)
 
 
 def pick_device(device: str | None = None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
     """Return (device, dtype): CUDA+bf16 when available, else CPU+fp32; explicit arguments override.
 
-    CPU stays fp32 because bf16 matmuls on CPUs without AMX are slower than fp32 and
-    lose the token-exactness tests' precision.
+    CPU stays fp32 unless asked: bf16 matmuls run several times faster than fp32 on CPUs with
+    AVX-512 bf16 or AMX (4.4x at 1000 x 512 x 2816 on an AMD EPYC, one core) and slower on those
+    without, and bf16 rounding gives up the fp32 parity with transformers that the tests hold.
     """
     chosen = torch.device(device) if device is not None else None
     if chosen is None:

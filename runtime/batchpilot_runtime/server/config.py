@@ -46,6 +46,7 @@ class ServeConfig:
     max_prefill_tokens: int | None = None
     seed: int = 0
     device: str | None = None
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU (model/device.py)
     threads: int | None = None  # torch intra-op threads; None: torch's choice
     batch_invariant: bool = False  # bitwise-equal logits in any batch (model/kernels.py), slower
     ready_file: Path | None = None

@@ -53,6 +53,7 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
         max_model_len=config.max_model_len,
         seed=config.seed,
         device=config.device,
+        dtype=config.dtype,
         batch_invariant=config.batch_invariant,
         observer=metrics,
     )
