@@ -544,8 +544,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=list(SYSTEMS),
         help="systems to run; llama_cpp (an outside reference, with a GGUF --checkpoint) only when named",
     )
-    parser.add_argument("--json", type=Path, default=Path("bench_runtime.json"), help="output JSON path")
-    parser.add_argument("--plot", type=Path, default=Path("bench_runtime.png"), help="output PNG path")
+    parser.add_argument("--json", type=Path, default=Path("out/bench/runtime.json"), help="output JSON path")
+    parser.add_argument("--plot", type=Path, default=Path("out/bench/runtime.png"), help="output PNG path")
     args = parser.parse_args(argv)
     if args.requests is None:
         args.requests = 32 if args.quick else 128
@@ -684,6 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["outside_reference"] = outside
         print(f"outside reference: {outside}")
     print(f"token agreement with continuous: {agreement}")
+    for path in (args.json, args.plot):
+        path.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, e2e_by_system, args.plot)
     print(f"wrote {args.json} and {args.plot} in {time.monotonic() - started:.0f} s")
