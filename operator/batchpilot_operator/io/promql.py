@@ -275,6 +275,7 @@ def _value(sample: Mapping[str, Any]) -> float:
 
 
 def _float_or_nan(text: object) -> float:
+    """A label's number (a bucket's ``le``, a quantile); NaN when the label is missing or not one."""
     try:
         return float(str(text))
     except ValueError:
@@ -304,11 +305,7 @@ def parse_results(
             elif name == "latency":
                 if series.endswith(COUNT_SUFFIX) and series.removesuffix(COUNT_SUFFIX) in LATENCY_HISTOGRAMS:
                     builder.add_latency_count(key, series.removesuffix(COUNT_SUFFIX), value)
-                elif series in LATENCY_HISTOGRAMS and QUANTILE_LABEL in labels:
-                    try:
-                        q = float(labels[QUANTILE_LABEL])
-                    except ValueError:
-                        continue
+                elif series in LATENCY_HISTOGRAMS and not math.isnan(q := _float_or_nan(labels.get(QUANTILE_LABEL))):
                     builder.add_quantile(key, series, q, value)
             elif name == "rates":
                 detail = str(labels.get(rm.LABEL_REASON) or labels.get(rm.LABEL_BATCH_BUCKET) or "")

@@ -238,12 +238,11 @@ def decide(
     # While the hour is over that budget the gaps are read longer, so that it is paid back; the
     # reasons then name the figure as read, and the note the interval's own.
     excused = excused_gap_share(spec, obs, config)
-    payback = gap_payback(spec, obs, config)
     seen = obs
     if excused is not None and spec.slo.inter_token_p99_ms is not None:
         obs = obs.with_(itl_p99_s=spec.slo.inter_token_p99_ms / 1000.0)
         note = reasons.excused(spec, seen, excused, config)
-    elif payback is not None:
+    elif (payback := gap_payback(spec, obs, config)) is not None:
         obs = obs.with_(itl_p99_s=obs.itl_p99_s * payback[1])
         note = reasons.overspent(spec, seen, *payback, config)
         seen = obs
