@@ -1,13 +1,20 @@
-"""One engine step's input: scheduled sequences flattened into T token rows, plus attention groups.
+"""One engine step's input: scheduled sequences flattened into T token rows, plus its attention plan.
 
-Index math runs on the CPU, then each tensor is copied once to the device. Attention groups are built
-here once per step and used by every layer (see attention.py for how they are computed over).
+Index math runs on the CPU, then each tensor is copied once to the device. The attention plan is built
+once per step, on first use, and used by every layer (attention.py computes over it). There are two:
+
+- ``exact`` (the fast kernels): every sequence at its own lengths. A whole prompt attends causally
+  over its own rows, with nothing read from the cache; a later prompt chunk over its cached blocks;
+  decode rows in buckets of similar context length, each padded only to its longest member's blocks.
+- ``groups`` (batch-invariant kernels): sequences padded to shared shapes that do not depend on the
+  rest of the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -19,6 +26,9 @@ KEY_CHUNK = 32
 # Query rows per sequence that ForwardBatch.build pads attention groups to; the model pads further
 # when that leaves an attention GEMM under attention.MIN_GEMM_ROWS rows (query rows x GQA group size).
 DEFAULT_MIN_QUERY_LEN = 2
+# Decode rows whose contexts are at most this long share one bucket of the exact plan: under it, one
+# more attention call per layer costs more than the padding it saves.
+DECODE_BUCKET_MIN_KEYS = 64
 
 
 class SeqLike(Protocol):
@@ -63,6 +73,63 @@ class AttentionGroup:
         )
 
 
+@dataclass(frozen=True)
+class DecodeBucket:
+    """Decoding sequences (one query row each) whose contexts fall in one power-of-two range."""
+
+    rows: torch.Tensor  # [G] long: each sequence's row in T
+    blocks: torch.Tensor  # [G, nb] long: its cache blocks, block 0 past its table (masked)
+    mask: torch.Tensor  # [G, 1, 1, nb * block_size] bool: key within the sequence's context
+
+    def to(self, device: torch.device) -> DecodeBucket:
+        return DecodeBucket(*(t.to(device, non_blocking=True) for t in (self.rows, self.blocks, self.mask)))
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A prompt chunk after earlier chunks of the same prompt: rows ``start:end`` of T attend to the
+    cached context and causally to each other."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [1, nb] long: the sequence's cache blocks up to this chunk's end
+    mask: torch.Tensor  # [1, 1, end - start, nb * block_size] bool
+
+    def to(self, device: torch.device) -> PromptChunk:
+        return PromptChunk(
+            self.start, self.end, self.blocks.to(device, non_blocking=True), self.mask.to(device, non_blocking=True)
+        )
+
+
+@dataclass(frozen=True)
+class ExactPlan:
+    """The fast kernels' attention plan: every row attends to exactly its own context.
+
+    Every row of the step belongs to exactly one prompt, chunk or bucket, so together they fill the
+    whole attention output.
+    """
+
+    prompts: tuple[tuple[int, int], ...]  # whole prompts: rows start:end of T, causal over themselves
+    chunks: tuple[PromptChunk, ...]
+    decodes: tuple[DecodeBucket, ...]
+
+    def to(self, device: torch.device) -> ExactPlan:
+        return ExactPlan(
+            self.prompts, tuple(c.to(device) for c in self.chunks), tuple(b.to(device) for b in self.decodes)
+        )
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each sequence of a step sits, kept on the CPU: what the attention plans are built from."""
+
+    query_starts: tuple[int, ...]  # B+1 offsets into T
+    context_lens: tuple[int, ...]  # B: tokens in the cache after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, on the CPU
+    block_size: int
+    min_query_len: int
+
+
 @dataclass
 class ForwardBatch:
     """One step's input, flattened: T token rows from B sequences, S of which sample."""
@@ -74,7 +141,25 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [B] long: tokens in the KV cache after this step
     query_starts: torch.Tensor  # [B+1] long: offsets of each sequence's rows in T
     logits_indices: torch.Tensor  # [S] long: the row in T of each sampling sequence's last token
-    groups: list[AttentionGroup] = field(default_factory=list, repr=False)
+    layout: StepLayout
+
+    @cached_property
+    def groups(self) -> list[AttentionGroup]:
+        """The batch-invariant kernels' plan (built on first use)."""
+        layout = self.layout
+        groups = _build_groups(
+            list(layout.query_starts),
+            list(layout.context_lens),
+            layout.block_tables,
+            layout.block_size,
+            layout.min_query_len,
+        )
+        return [group.to(self.input_ids.device) for group in groups]
+
+    @cached_property
+    def exact(self) -> ExactPlan:
+        """The fast kernels' plan (built on first use)."""
+        return build_exact_plan(self.layout).to(self.input_ids.device)
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +222,6 @@ class ForwardBatch:
         def move(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(target, non_blocking=True)
 
-        groups = _build_groups(query_starts, context_lens, block_tables, block_size, min_query_len)
         return cls(
             input_ids=move(torch.tensor(input_ids, dtype=torch.long)),
             positions=move(torch.tensor(positions, dtype=torch.long)),
@@ -146,7 +230,7 @@ class ForwardBatch:
             context_lens=move(torch.tensor(context_lens, dtype=torch.long)),
             query_starts=move(torch.tensor(query_starts, dtype=torch.long)),
             logits_indices=move(torch.tensor(logits_indices, dtype=torch.long)),
-            groups=[group.to(target) for group in groups],
+            layout=StepLayout(tuple(query_starts), tuple(context_lens), block_tables, block_size, min_query_len),
         )
 
 
@@ -205,3 +289,44 @@ def _build_group(
         output_rows=torch.nonzero(flat_valid).view(-1),
         token_rows=query_rows.reshape(-1)[flat_valid],
     )
+
+
+def build_exact_plan(layout: StepLayout) -> ExactPlan:
+    """Sort the step's sequences into whole prompts, later prompt chunks and decode buckets."""
+    block_size = layout.block_size
+    prompts: list[tuple[int, int]] = []
+    chunks: list[PromptChunk] = []
+    buckets: dict[int, list[int]] = {}
+    for index, context_len in enumerate(layout.context_lens):
+        start, end = layout.query_starts[index], layout.query_starts[index + 1]
+        query_len = end - start
+        if query_len == 1:
+            keys = max(context_len, DECODE_BUCKET_MIN_KEYS)
+            buckets.setdefault((keys - 1).bit_length(), []).append(index)
+        elif query_len == context_len:
+            prompts.append((start, end))
+        else:
+            num_blocks = -(-context_len // block_size)
+            key_pos = torch.arange(num_blocks * block_size)
+            query_pos = torch.arange(context_len - query_len, context_len)
+            chunks.append(
+                PromptChunk(
+                    start,
+                    end,
+                    layout.block_tables[index : index + 1, :num_blocks].long(),
+                    (key_pos[None, :] <= query_pos[:, None]).view(1, 1, query_len, -1),
+                )
+            )
+    decodes = []
+    for _, members in sorted(buckets.items()):
+        contexts = torch.tensor([layout.context_lens[i] for i in members])
+        num_blocks = -(-int(contexts.max()) // block_size)
+        decodes.append(
+            DecodeBucket(
+                rows=torch.tensor([layout.query_starts[i] for i in members]),
+                # build() checked that every table holds its context, so the padded tables have these columns
+                blocks=layout.block_tables[members, :num_blocks].long(),
+                mask=(torch.arange(num_blocks * block_size)[None, :] < contexts[:, None]).view(len(members), 1, 1, -1),
+            )
+        )
+    return ExactPlan(tuple(prompts), tuple(chunks), tuple(decodes))

@@ -11,8 +11,9 @@ differently for 1, 2-15 and >= 16 rows (and, when threaded, for other row counts
 layers pad their rows to whole tiles of DEFAULT_ROW_TILE and run one GEMM per tile (one GEMM for all
 when single-threaded, where every row count >= 16 sums the same way), and attention is padded as
 attention.py describes. The result is bitwise equal logits for a sequence alone, in any batch, and
-with its prompt prefilled in any chunks (tests/unit/test_model.py). With the flag off, plain BLAS and
-SDPA are used (faster, equal up to rounding): the default on every device.
+with its prompt prefilled in any chunks (tests/unit/test_model.py). With the flag off, the fastest
+kernels are used (equal up to rounding): the default on every device. On the CPU its linear layers
+run in oneDNN over packed weights (packed_linear.py), elsewhere in plain BLAS; attention in SDPA.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from batchpilot_runtime.model.batch import ForwardBatch
 from batchpilot_runtime.model.config import INIT_STD, LlamaConfig
 from batchpilot_runtime.model.kernels import resolve_batch_invariant
 from batchpilot_runtime.model.kv_cache import PagedKVCache
+from batchpilot_runtime.model.packed_linear import PackedLinear, onednn_linear_available, resolve_cpu_gemm
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -106,7 +108,8 @@ class DecoderLayer(nn.Module):
         hidden = hidden + linear(attention(q, k, v), self.o_weight)
         gate_up = linear(self.post_norm(hidden), self.gate_up_weight)
         gate, up = torch.split(gate_up, self.intermediate_size, dim=-1)
-        return hidden + linear(F.silu(gate) * up, self.down_weight)
+        # in place: the product reuses silu's fresh output instead of allocating a third T x I tensor
+        return hidden + linear(F.silu(gate).mul_(up), self.down_weight)
 
 
 class LlamaModel(nn.Module):
@@ -127,6 +130,10 @@ class LlamaModel(nn.Module):
         self.config = config
         self.batch_invariant = resolve_batch_invariant(batch_invariant)
         self.row_tile = row_tile
+        # the fast kernels' linear layers (no module state: not in state_dict, not moved by .to)
+        self.fast_linear: Linear = (
+            PackedLinear() if resolve_cpu_gemm() == "onednn" and onednn_linear_available() else F.linear
+        )
         self.attention_scale = config.head_dim**-0.5
         self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
@@ -227,7 +234,9 @@ class LlamaModel(nn.Module):
         return min_query_len(self.config.num_heads, self.config.num_kv_heads)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self.batch_invariant or x.shape[0] == 0:
+        if not self.batch_invariant:
+            return self.fast_linear(x, weight)
+        if x.shape[0] == 0:
             return F.linear(x, weight)
         tile = self.row_tile
         rows = x.shape[0]
