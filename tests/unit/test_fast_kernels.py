@@ -147,3 +147,13 @@ def test_the_cpu_gemm_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(3, model.config.hidden_size)
     weight = model.layers[0].o_weight
     assert torch.equal(model._linear(x, weight), F.linear(x, weight))
+
+
+@needs_onednn
+def test_weights_are_packed_at_load_time_not_in_the_first_step() -> None:
+    fast = LlamaModel.random(PRESETS["tiny"], seed=1, batch_invariant=False)
+    assert isinstance(fast.fast_linear, PackedLinear)
+    # every layer's four weights and the LM head (the tied embedding)
+    assert len(fast.fast_linear._packed) == 4 * fast.config.num_layers + 1
+    invariant = LlamaModel.random(PRESETS["tiny"], seed=1, batch_invariant=True)
+    assert isinstance(invariant.fast_linear, PackedLinear) and not invariant.fast_linear._packed

@@ -84,6 +84,9 @@ class DecoderLayer(nn.Module):
         )
         self.down_weight = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size), requires_grad=False)
 
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -181,7 +184,7 @@ class LlamaModel(nn.Module):
             for name, tensor in hf_state_dict(model).items():
                 if not name.endswith("norm.weight"):
                     tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * INIT_STD)
-        return model.to(device=resolved, dtype=dtype).eval()
+        return model.to(device=resolved, dtype=dtype).eval().prepared()
 
     @classmethod
     def from_safetensors(
@@ -198,7 +201,7 @@ class LlamaModel(nn.Module):
         resolved = torch.device(device)
         model = cls(config, batch_invariant)
         checkpoint.load_tensors(shards, hf_state_dict(model), config.tie_word_embeddings)
-        return model.to(device=resolved, dtype=dtype).eval()
+        return model.to(device=resolved, dtype=dtype).eval().prepared()
 
     @classmethod
     def from_gguf(
@@ -218,7 +221,16 @@ class LlamaModel(nn.Module):
         resolved = torch.device(device)
         model = cls(config, batch_invariant)
         gguf_checkpoint.load_tensors(reader, file, config, hf_state_dict(model))
-        return model.to(device=resolved, dtype=dtype).eval()
+        return model.to(device=resolved, dtype=dtype).eval().prepared()
+
+    def prepared(self) -> LlamaModel:
+        """This model with its fast kernels' packed weights made now: each constructor ends here, so
+        that packing (0.3 s for SmolLM2) is load time, not the first request's. Batch-invariant
+        models pack nothing (they run MKL); a weight changed later is packed again on use."""
+        if not self.batch_invariant and isinstance(self.fast_linear, PackedLinear):
+            weights = [w for layer in self.layers if isinstance(layer, DecoderLayer) for w in layer.linear_weights()]
+            self.fast_linear.prepare([*weights, self.embed if self.lm_head is None else self.lm_head])
+        return self
 
     def save_safetensors(self, directory: Path | str) -> None:
         """Write config.json and model.safetensors in transformers' Llama layout."""

@@ -15,7 +15,7 @@ without oneDNN, on other devices, and for other dtypes.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +55,19 @@ class PackedLinear:
     def __init__(self) -> None:
         self._packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
 
+    @staticmethod
+    def handles(weight: torch.Tensor) -> bool:
+        """Whether products with ``weight`` go through oneDNN (else F.linear)."""
+        return weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES
+
+    def prepare(self, weights: Iterable[torch.Tensor]) -> None:
+        """Pack ``weights`` now (at load time) rather than in the first step that uses them."""
+        for weight in weights:
+            if self.handles(weight):
+                self.packed(weight)
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or x.dtype != weight.dtype:
+        if not self.handles(weight) or x.dtype != weight.dtype:
             return F.linear(x, weight)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed(weight), None, "none", [], "")
         return out
