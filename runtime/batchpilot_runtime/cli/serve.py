@@ -47,7 +47,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         type=dtype_name,
         help="weights, activations and KV cache: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on "
-        "CPU; bfloat16 on a CPU with AVX-512 bf16 or AMX served 1.7-2.3x the tokens/s in the runtime benchmark, with "
+        "CPU; bfloat16 on a CPU with AVX-512 bf16 or AMX served 1.2-1.3x the tokens/s in the runtime benchmark, with "
         "bf16 rounding)",
     )
     add_env_flag(

@@ -11,8 +11,8 @@ DTYPE_NAMES = tuple(_DTYPES)
 def pick_device(device: str | None = None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
     """Return (device, dtype): CUDA+bf16 when available, else CPU+fp32; explicit arguments override.
 
-    CPU stays fp32 unless asked: bf16 matmuls run several times faster than fp32 on CPUs with
-    AVX-512 bf16 or AMX (4.4x at 1000 x 512 x 2816 on an AMD EPYC, one core) and slower on those
+    CPU stays fp32 unless asked: bf16 matmuls run faster than fp32 on CPUs with AVX-512 bf16 or
+    AMX (2x oneDNN's fp32 at 1039 x 512 x 2816 on an AMD EPYC, one core) and slower on those
     without, and bf16 rounding gives up the fp32 parity with transformers that the tests hold.
     """
     chosen = torch.device(device) if device is not None else None
