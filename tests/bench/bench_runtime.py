@@ -98,12 +98,18 @@ class ReplayClock:
     itself: the other processes of a shared machine do not leak into the figures, and the
     systems, run one after the other, are compared on equal terms. ``wall`` is real time (for
     a dedicated machine), where idle gaps are slept.
+
+    ``scale`` (cpu only) multiplies the CPU time counted: 0.8 replays as if on a host 1.25x as fast,
+    which moves where static batches close (--clock-scale).
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, scale: float = 1.0) -> None:
         if kind not in ("cpu", "wall"):
             raise ValueError(f"clock must be 'cpu' or 'wall', got {kind!r}")
+        if scale <= 0 or (kind == "wall" and scale != 1.0):
+            raise ValueError(f"clock scale: must be > 0, and 1 with the wall clock, got {scale} ({kind})")
         self.kind = kind
+        self.scale = scale
         self._read = time.thread_time if kind == "cpu" else time.monotonic
         self.origin = self._read()
         self.skipped_s = 0.0
@@ -113,7 +119,7 @@ class ReplayClock:
         self.skipped_s = 0.0
 
     def __call__(self) -> float:
-        return self._read() - self.origin + self.skipped_s
+        return (self._read() - self.origin) * self.scale + self.skipped_s
 
     def idle_until(self, wake_s: float) -> None:
         """Nothing to do before ``wake_s``: skip (cpu) or sleep (wall) up to it."""
@@ -195,6 +201,7 @@ def make_engine(
     kv_cache_tokens: int,
     max_prefill: int | None,
     clock_kind: str = "cpu",
+    clock_scale: float = 1.0,
 ) -> tuple[Engine, ReplayClock, StepLog]:
     num_blocks = PagedKVCache.blocks_for_token_budget(kv_cache_tokens, BLOCK_SIZE)
     kv = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, model.device, model.dtype)
@@ -209,7 +216,7 @@ def make_engine(
         ),
         window,
     )
-    clock = ReplayClock(clock_kind)
+    clock = ReplayClock(clock_kind, clock_scale)
     log = StepLog()
     engine = Engine(model, kv, scheduler, ByteTokenizer(), "bench", clock=clock, observer=log)
     return engine, clock, log
@@ -283,13 +290,13 @@ def load_hf(model: LlamaModel, directory: Path) -> Any:
 
 
 def replay_hf(
-    hf: Any, window: Window, jobs: Sequence[Job], clock_kind: str
+    hf: Any, window: Window, jobs: Sequence[Job], clock_kind: str, clock_scale: float = 1.0
 ) -> tuple[list[Outcome], dict[int, list[int]], list[int]]:
     """Static padded batches formed by the window rule, each run with ``generate`` to the
     longest output in the batch."""
     from transformers import LogitsProcessorList
 
-    clock = ReplayClock(clock_kind)
+    clock = ReplayClock(clock_kind, clock_scale)
     waiting: deque[Job] = deque()
     outcomes: list[Outcome] = []
     tokens: dict[int, list[int]] = {}
@@ -340,7 +347,7 @@ def replay_hf(
 
 
 def replay_llama_cpp(
-    gguf_path: Path, jobs: Sequence[Job], threads: int, clock_kind: str
+    gguf_path: Path, jobs: Sequence[Job], threads: int, clock_kind: str, clock_scale: float = 1.0
 ) -> tuple[list[Outcome], dict[int, list[int]]]:
     """The same requests through llama.cpp (llama-cpp-python's ``Llama``), greedy, one request at a
     time in arrival order: its binding decodes one sequence (as its own server does), on the GGUF
@@ -363,7 +370,7 @@ def replay_llama_cpp(
         verbose=False,
     )
     llm.eval(jobs[0].prompt[:8])  # page the weights in before the clock starts
-    clock = ReplayClock(clock_kind)
+    clock = ReplayClock(clock_kind, clock_scale)
     outcomes: list[Outcome] = []
     tokens: dict[int, list[int]] = {}
     for job in jobs:
@@ -535,6 +542,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="replay clock: this thread's CPU time with idle gaps skipped (default; immune to other load on a\n"
         "shared machine), or wall time (a dedicated machine)",
     )
+    parser.add_argument(
+        "--clock-scale",
+        type=float,
+        default=1.0,
+        help="multiply the CPU clock by this (default 1): 0.8 replays as if on a host 1.25x as fast. Static\n"
+        "batches close by the window rule on that clock, so this shows how much a ratio owes to where\n"
+        "HF's batches happen to close on this host",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every system (default 1)")
     parser.add_argument("--overhead-seqs", type=int, default=64, help="running sequences of the overhead run")
     parser.add_argument(
@@ -547,6 +562,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=Path("out/bench/runtime.json"), help="output JSON path")
     parser.add_argument("--plot", type=Path, default=Path("out/bench/runtime.png"), help="output PNG path")
     args = parser.parse_args(argv)
+    if args.clock_scale <= 0 or (args.clock == "wall" and args.clock_scale != 1.0):
+        parser.error(f"--clock-scale: must be > 0, and 1 with --clock wall, got {args.clock_scale}")
     if args.requests is None:
         args.requests = 32 if args.quick else 128
     return args
@@ -586,7 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"prompt tokens mean {np.mean(prompt_tokens):.0f} (max {max(prompt_tokens)}), "
         f"output tokens mean {np.mean(output_tokens):.1f} (max {max(output_tokens)})"
     )
-    print(f"window: {window.describe()}; replay clock: {args.clock}")
+    scaled = f" x{args.clock_scale:g}" if args.clock_scale != 1.0 else ""
+    print(f"window: {window.describe()}; replay clock: {args.clock}{scaled}")
     systems: dict[str, dict[str, Any]] = {}
     e2e_by_system: dict[str, list[float]] = {}
     tokens_by_system: dict[str, dict[int, list[int]]] = {}
@@ -595,18 +613,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.monotonic()
         if name == "llama_cpp":
             outcomes, tokens = replay_llama_cpp(
-                resolve_checkpoint(args.checkpoint).path, jobs, args.threads, args.clock
+                resolve_checkpoint(args.checkpoint).path, jobs, args.threads, args.clock, args.clock_scale
             )
         elif name == "hf_static":
             with tempfile.TemporaryDirectory() as directory:
                 hf = load_hf(model, Path(directory))
-                outcomes, tokens, batch_sizes = replay_hf(hf, window, jobs, args.clock)
+                outcomes, tokens, batch_sizes = replay_hf(hf, window, jobs, args.clock, args.clock_scale)
             extra["hf_static_mean_batch"] = float(np.mean(batch_sizes))
         else:
             system_window = Window(target_batch_size=1, hard_cap=1, max_wait_ms=0) if name == "sequential" else window
             batching = "static" if name == "static" else "continuous"
             engine, clock, log = make_engine(
-                model, system_window, batching, args.kv_cache_tokens, args.max_prefill_tokens, args.clock
+                model,
+                system_window,
+                batching,
+                args.kv_cache_tokens,
+                args.max_prefill_tokens,
+                args.clock,
+                args.clock_scale,
             )
             outcomes, tokens = replay_engine(engine, clock, jobs)
             extra[f"{name}_mean_batch"] = float(np.mean([s.batch_size for s, _, _ in log.steps]))
@@ -650,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dtype": args.dtype,
             "threads": args.threads,
             "clock": args.clock,
+            "clock_scale": args.clock_scale,
             "batch_invariant": model.batch_invariant,
             "requests": len(jobs),
             "trace": str(args.trace.name),
