@@ -16,7 +16,8 @@ token-scaled so that this CPU machine is loaded; the scaling is printed):
    tokens and is finished at the step that produced its own last token (which favours HF:
    ``generate`` returns the whole batch at the end).
 
-Every system replays the arrivals in real time from one process, one after the other. Prompts
+Every system replays the arrivals in real time from one process, one after the other, after an
+untimed warm-up (--no-warmup skips it). Prompts
 are random token ids with the trace's (scaled) lengths; outputs are greedy with exactly the
 trace's (scaled) lengths (no stop token). A dedicated run at 64 concurrent decoding sequences
 measures the share of step time spent outside the model's forward pass.
@@ -289,6 +290,12 @@ def load_hf(model: LlamaModel, directory: Path) -> Any:
     return hf
 
 
+def warm_up_hf(hf: Any, job: Job) -> None:
+    """One untimed ``generate`` of ``job``: transformers' first-call costs stay out of the replay."""
+    with torch.inference_mode():
+        hf.generate(input_ids=torch.tensor([job.prompt]), max_new_tokens=job.output_tokens, do_sample=False)
+
+
 def replay_hf(
     hf: Any, window: Window, jobs: Sequence[Job], clock_kind: str, clock_scale: float = 1.0
 ) -> tuple[list[Outcome], dict[int, list[int]], list[int]]:
@@ -550,6 +557,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "batches close by the window rule on that clock, so this shows how much a ratio owes to where\n"
         "HF's batches happen to close on this host",
     )
+    parser.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before the timed systems, one untimed continuous replay of the same requests (and one untimed\n"
+        "generate for HF), so that no system pays the process's first large allocations for the others\n"
+        "(default: on)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every system (default 1)")
     parser.add_argument("--overhead-seqs", type=int, default=64, help="running sequences of the overhead run")
     parser.add_argument(
@@ -609,6 +624,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     e2e_by_system: dict[str, list[float]] = {}
     tokens_by_system: dict[str, dict[int, list[int]]] = {}
     extra: dict[str, Any] = {}
+    if args.warmup and set(args.systems) & {"continuous", "static", "sequential"}:
+        # first large allocations and cold caches would otherwise fall on whichever system runs first
+        t0 = time.monotonic()
+        engine, clock, _ = make_engine(model, window, "continuous", args.kv_cache_tokens, args.max_prefill_tokens)
+        replay_engine(engine, clock, jobs)
+        del engine
+        print(f"    warmup: one untimed continuous replay ({time.monotonic() - t0:.0f} s)")
     for name in args.systems:
         t0 = time.monotonic()
         if name == "llama_cpp":
@@ -618,6 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif name == "hf_static":
             with tempfile.TemporaryDirectory() as directory:
                 hf = load_hf(model, Path(directory))
+                if args.warmup:
+                    warm_up_hf(hf, jobs[0])
                 outcomes, tokens, batch_sizes = replay_hf(hf, window, jobs, args.clock, args.clock_scale)
             extra["hf_static_mean_batch"] = float(np.mean(batch_sizes))
         else:
@@ -675,6 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": args.threads,
             "clock": args.clock,
             "clock_scale": args.clock_scale,
+            "warmup": args.warmup,
             "batch_invariant": model.batch_invariant,
             "requests": len(jobs),
             "trace": str(args.trace.name),

@@ -1,5 +1,5 @@
-"""bench_runtime's replay clock: CPU time scaled by --clock-scale, idle gaps added unscaled, and
-the flag's errors."""
+"""bench_runtime's replay clock: CPU time scaled by --clock-scale, idle gaps added unscaled, the
+flag's errors; and the untimed warm-up, on unless --no-warmup."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_a_scale_the_clock_cannot_take_is_refused_naming_the_flag(
         ReplayClock("wall", scale=0.8)
 
 
-def test_the_default_clock_is_unscaled() -> None:
+def test_by_default_the_clock_is_unscaled_and_the_process_warmed_up() -> None:
     args = parse_args(["--quick"])
-    assert args.clock == "cpu" and args.clock_scale == 1.0
+    assert args.clock == "cpu" and args.clock_scale == 1.0 and args.warmup is True
+    assert parse_args(["--no-warmup"]).warmup is False
