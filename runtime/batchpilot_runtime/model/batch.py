@@ -149,11 +149,7 @@ class ForwardBatch:
         """The batch-invariant kernels' plan (built on first use)."""
         layout = self.layout
         groups = _build_groups(
-            list(layout.query_starts),
-            list(layout.context_lens),
-            layout.block_tables,
-            layout.block_size,
-            layout.min_query_len,
+            layout.query_starts, layout.context_lens, layout.block_tables, layout.block_size, layout.min_query_len
         )
         return [group.to(self.input_ids.device) for group in groups]
 
@@ -236,8 +232,8 @@ class ForwardBatch:
 
 
 def _build_groups(
-    query_starts: list[int],
-    context_lens: list[int],
+    query_starts: Sequence[int],
+    context_lens: Sequence[int],
     block_tables: torch.Tensor,
     block_size: int,
     min_query_len: int,
@@ -258,8 +254,8 @@ def _build_groups(
 def _build_group(
     members: list[int],
     query_len: int,
-    query_starts: list[int],
-    context_lens: list[int],
+    query_starts: Sequence[int],
+    context_lens: Sequence[int],
     block_tables: torch.Tensor,
     block_size: int,
     num_tokens: int,

@@ -81,7 +81,3 @@ class PackedLinear:
             entry = (weight, weight._version, weight.data_ptr(), packed)
             self._packed[id(weight)] = entry
         return entry[3]
-
-    def clear(self) -> None:
-        """Drop every packed copy (they are made again on next use)."""
-        self._packed.clear()
