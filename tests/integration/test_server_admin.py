@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot_runtime.contract import metric_names as mn
 from batchpilot_runtime.contract.admin_api import AdminError, WindowState
+from batchpilot_runtime.contract.window import MAX_GENERATION
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
 from tests.support.factories import make_window_dict
 
@@ -101,6 +102,13 @@ def test_get_without_valid_token_is_401_and_tells_nothing(
             "hardCap",
         ),  # over what 2048 KV tokens can hold: the engine refuses
         ({**_update(generation=50), "surprise": 1}, "surprise"),
+        # Strict types: a number sent as a string is a client's bug, never converted (it was applied).
+        ({"window": {**make_window_dict(generation=50), "hardCap": "16"}}, "hardCap"),
+        ({"window": {**make_window_dict(generation=50), "tailMarkRatio": "2"}}, "tailMarkRatio"),
+        ({"window": {**make_window_dict(generation=50), "maxWaitMs": True}}, "maxWaitMs"),
+        # A generation past the largest would leave no later one to push: the window would freeze.
+        (_update(generation=2**63 - 1), "generation"),
+        (_update(generation=MAX_GENERATION + 1), "generation"),
     ],
 )
 def test_invalid_window_is_422_with_the_reason(

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from batchpilot_runtime.contract.admin_api import WindowUpdate
-from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.contract.window import MAX_GENERATION, Window
 from tests.support.factories import make_window, make_window_dict
 
 
@@ -49,6 +49,7 @@ def test_target_above_cap_is_refused_naming_both_fields() -> None:
         ("tailMarkRatio", 1.0),
         ("tailMarkRatio", 0.5),
         ("generation", -1),
+        ("generation", MAX_GENERATION + 1),
         ("maxPrefillTokens", 0),
         ("targetBatchSize", "many"),
     ],
@@ -57,6 +58,13 @@ def test_each_bad_field_is_named(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as caught:
         Window.model_validate({**make_window_dict(), field: value})
     assert [e["loc"] for e in caught.value.errors()] == [(field,)]
+
+
+def test_the_largest_generation_is_exact_in_a_double() -> None:
+    # The runtime exports the generation as a float gauge: every one it accepts must survive that.
+    window = Window.model_validate({**make_window_dict(), "generation": MAX_GENERATION})
+    assert int(float(window.generation)) == window.generation == MAX_GENERATION
+    assert float(MAX_GENERATION + 1) == float(MAX_GENERATION + 2)  # past it, two generations share one value
 
 
 def test_unknown_fields_are_refused() -> None:

@@ -15,6 +15,11 @@ MAX_BATCH_SIZE = 4096
 MAX_WAIT_MS_LIMIT = 60_000
 MAX_TAIL_MARK_RATIO = 100.0
 MAX_PREFILL_TOKENS_LIMIT = 262_144
+# The largest generation: the largest integer a double holds exactly, so that the runtime's
+# ``batchpilot_window_generation`` gauge and JavaScript clients carry every generation as it is. One
+# window a second would take 285 million years to reach it; a push beyond it is refused (422) rather
+# than put in force, where no later generation could pass it.
+MAX_GENERATION = 2**53 - 1
 
 
 class CamelModel(BaseModel):
@@ -125,6 +130,7 @@ class Window(WindowFields):
     generation: int = Field(
         default=0,
         ge=0,
+        le=MAX_GENERATION,
         description="Monotonic version of the window; a runtime refuses a generation older than the one in force.",
     )
 

@@ -2,7 +2,8 @@
 
 Every call on ``/admin/window`` needs the bearer token, reads as well as writes: without a valid
 one it is 401, and nothing about the pod (window, capacity, model) is told. ``GET`` answers the
-``WindowState`` in force. ``PUT`` takes an ``admin_api.WindowUpdate``: 422 for an invalid body or
+``WindowState`` in force. ``PUT`` takes an ``admin_api.WindowUpdate``, validated strictly (numbers as
+JSON numbers, never strings; a generation at most ``MAX_GENERATION``): 422 for an invalid body or
 a window the pod cannot hold, 409 for a generation older than the one in force, 200 with the
 applied ``WindowState`` otherwise. The window applies at the engine's next step boundary (the
 gate's: at its next admission).
@@ -134,7 +135,8 @@ def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin")
         except ApiError as error:
             return _refusal(413, "too_large", error.message, ctx)
         try:
-            update = WindowUpdate.model_validate(decode_json(raw))
+            # Strict: a window is sent as JSON numbers; "16" for a cap is a client's bug, not a cap.
+            update = WindowUpdate.model_validate(decode_json(raw), strict=True)
         except ApiError as error:
             return _refusal(422, "invalid_window", error.message, ctx)
         except ValidationError as error:
