@@ -20,10 +20,18 @@ from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.server.chat import add_chat_route
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
-from batchpilot_runtime.server.generation import accept, check_model_name, draining_error, ready_model, respond
+from batchpilot_runtime.server.generation import (
+    accept,
+    check_model_name,
+    draining_error,
+    log_ignored_fields,
+    ready_model,
+    respond,
+)
 from batchpilot_runtime.server.logs import RequestIdMiddleware
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 from batchpilot_runtime.server.openai_schema import (
+    UNIMPLEMENTED_SAMPLING,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -31,12 +39,12 @@ from batchpilot_runtime.server.openai_schema import (
     ModelCard,
     ModelList,
     Usage,
-    neutral_values,
-    unimplemented_sampling_fields,
+    screen_fields,
 )
 from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
 
 # The engine's name of a request field -> the completion request's.
+COMPLETIONS_PATH = "/v1/completions"
 _API_FIELDS = {"prompt_token_ids": "prompt"}
 
 
@@ -47,14 +55,10 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     if "prompt" not in payload:
         raise ApiError(400, "prompt: field required", param="prompt")
     payload["prompt"] = _one_prompt(payload["prompt"])
-    unsupported = unimplemented_sampling_fields(payload)
-    if unsupported:
-        # Served without them, the text would be sampled otherwise than the client asked.
-        raise ApiError(
-            400,
-            "; ".join(f"{name}: not supported by this runtime ({neutral_values(name)})" for name in unsupported),
-            param=unsupported[0],
-        )
+    screened = screen_fields(payload, CompletionRequest, UNIMPLEMENTED_SAMPLING)
+    if screened.refused:
+        raise ApiError(400, screened.refusal(UNIMPLEMENTED_SAMPLING), param=screened.refused[0])
+    log_ignored_fields(COMPLETIONS_PATH, screened.ignored)
     try:
         return CompletionRequest.model_validate(payload)
     except ValidationError as error:
@@ -141,7 +145,7 @@ def _add_completion_route(app: FastAPI, ctx: ServingContext) -> None:
     """Registers POST /v1/completions."""
 
     @app.post(
-        "/v1/completions",
+        COMPLETIONS_PATH,
         response_model=CompletionResponse,
         responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
         openapi_extra={

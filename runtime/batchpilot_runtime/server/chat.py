@@ -7,10 +7,10 @@ stop string), at a client's ``stop`` string (not returned, as OpenAI does), or a
 ``finish_reason`` "stop" or "length". Lanes, streaming, usage and the refusals (429 with
 Retry-After, 503 while draining) are those of ``/v1/completions`` (``generation``).
 
-Every request field the runtime does not implement is refused with a 400 naming it; a field it
-knows but does not implement (``UNIMPLEMENTED_CHAT_FIELDS``: penalties, tools, log probabilities,
-output formats) is accepted when null or off (``presence_penalty: 0``, ``logprobs: false``), since
-that asks for nothing; completions refuse the same sampling fields the same way.
+Request fields follow the rule of ``openai_schema`` for both routes: a field the runtime knows but
+does not implement (``UNIMPLEMENTED_CHAT_FIELDS``: completions' sampling fields, and tools, log
+probabilities, output formats) is refused with a 400 naming it unless null or off
+(``presence_penalty: 0``, ``logprobs: false``); a field it does not know is ignored and logged.
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
-from batchpilot_runtime.server.generation import accept, check_model_name, draining_error, ready_model, respond
+from batchpilot_runtime.server.generation import (
+    accept,
+    check_model_name,
+    draining_error,
+    log_ignored_fields,
+    ready_model,
+    respond,
+)
 from batchpilot_runtime.server.openai_schema import (
     UNIMPLEMENTED_SAMPLING,
     ChatCompletionChoice,
@@ -38,8 +45,7 @@ from batchpilot_runtime.server.openai_schema import (
     ChatCompletionResponse,
     ErrorResponse,
     Usage,
-    neutral_values,
-    unimplemented_sampling_fields,
+    screen_fields,
 )
 from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
 
@@ -78,25 +84,14 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
     payload = decode_json(raw)
     if not isinstance(payload, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(payload).__name__}", param="body")
-    known = ChatCompletionRequest.model_fields
-    unknown = [name for name in payload if name not in known and name not in UNIMPLEMENTED_CHAT_FIELDS]
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; this runtime does not implement it", param=unknown[0])
-    unsupported = unimplemented_sampling_fields(payload, UNIMPLEMENTED_CHAT_FIELDS)
-    if unsupported:
-        # Served without them, the reply would not be what the client asked for, and nothing would say so.
-        raise ApiError(
-            400,
-            "; ".join(
-                f"{name}: not supported by this runtime ({neutral_values(name, UNIMPLEMENTED_CHAT_FIELDS)})"
-                for name in unsupported
-            ),
-            param=unsupported[0],
-        )
+    screened = screen_fields(payload, ChatCompletionRequest, UNIMPLEMENTED_CHAT_FIELDS)
+    if screened.refused:
+        raise ApiError(400, screened.refusal(UNIMPLEMENTED_CHAT_FIELDS), param=screened.refused[0])
+    log_ignored_fields(CHAT_PATH, screened.ignored)
     if "messages" not in payload:
         raise ApiError(400, "messages: field required", param="messages")
     try:
-        body = ChatCompletionRequest.model_validate({name: value for name, value in payload.items() if name in known})
+        body = ChatCompletionRequest.model_validate(payload)
     except ValidationError as error:
         raise validation_error(error) from None
     if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):

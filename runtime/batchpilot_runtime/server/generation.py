@@ -55,6 +55,13 @@ class ResponseShape(Protocol):
         ...
 
 
+def log_ignored_fields(path: str, ignored: list[str]) -> None:
+    """Say which unknown fields a request was served without (vLLM warns the same way), at info:
+    a client that always sends one would otherwise fill the log with warnings."""
+    if ignored:
+        logger.info("request fields ignored", extra={"path": path, "ignored_fields": ignored[:16]})
+
+
 def draining_error() -> ApiError:
     return ApiError(
         503,

@@ -1,15 +1,19 @@
 """Bodies of the OpenAI-compatible completions and chat completions APIs, as pydantic models.
 
-Completions ignore unknown request fields (OpenAI clients send fields this server has no use
-for), but a known field with an unsupported value is refused with a message naming it. Chat
-completions refuse every field they do not implement (a 400 naming it, see ``chat``): a chat
-client that asks for tools, penalties or a JSON format must not get a plain reply as if served.
+One rule for a request's top-level fields, on both routes (``screen_fields``), the one vLLM's
+clients expect: a field this server does not know is ignored (and logged), as vLLM ignores it,
+since clients of vLLM-compatible servers send their own extensions; a field it knows but does not
+implement (the tables below: other servers' sampling settings, tools, output formats) is refused
+with a 400 naming it, unless null or a value that asks for nothing, since served without it the
+text would not be what was asked and nothing would say so. Inside a chat message every member is
+known or refused (``extra="forbid"``): an unknown member there changes what the conversation says.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -36,8 +40,8 @@ def stop_tuple(value: str | list[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-# Sampling fields of OpenAI's and vLLM's completions that this runtime does not implement, with the
-# values that mean "off". A client that sends an off value (LangChain sends presence_penalty: 0 and
+# Sampling fields of OpenAI's, vLLM's, llama.cpp's and text-generation servers' completions that this
+# runtime does not implement, with the values that mean "off". A client that sends an off value (LangChain sends presence_penalty: 0 and
 # logit_bias: {} by default) is served; any other value is refused naming the field, since the text
 # would otherwise be sampled differently from what was asked and nothing would say so.
 UNIMPLEMENTED_SAMPLING: dict[str, tuple[Any, ...]] = {
@@ -60,6 +64,29 @@ UNIMPLEMENTED_SAMPLING: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "truncate_prompt_tokens": (None,),
+    # llama.cpp's server and text-generation front ends (the samplers a client of those may send).
+    "typical_p": (None, 1),
+    "tfs_z": (None, 1),
+    "tfs": (None, 1),
+    "top_a": (None, 0),
+    "top_n_sigma": (None, -1),
+    "mirostat": (None, 0),
+    "mirostat_mode": (None, 0),
+    "repeat_penalty": (None, 1),
+    "dynatemp_range": (None, 0),
+    "dry_multiplier": (None, 0),
+    "xtc_probability": (None, 0),
+    "epsilon_cutoff": (None, 0),
+    "eta_cutoff": (None, 0),
+    "smoothing_factor": (None, 0),
+    "penalty_alpha": (None, 0),
+    "n_probs": (None, 0),
+    "grammar": (None, ""),
+    "json_schema": (None,),
 }
 
 
@@ -71,7 +98,7 @@ def _is_off(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 
 def unimplemented_sampling_fields(
-    payload: dict[str, Any], table: Mapping[str, tuple[Any, ...]] = UNIMPLEMENTED_SAMPLING
+    payload: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]] = UNIMPLEMENTED_SAMPLING
 ) -> list[str]:
     """The fields of a body that ask for what this runtime does not implement (by default the
     sampling fields of a completion; the chat route passes its own, larger table)."""
@@ -82,6 +109,32 @@ def neutral_values(name: str, table: Mapping[str, tuple[Any, ...]] = UNIMPLEMENT
     """What a refused field may hold instead, for the error message."""
     shown = " or ".join(json.dumps(value) for value in table[name])
     return f"leave it out or send {shown}"
+
+
+@dataclass(frozen=True)
+class ScreenedFields:
+    """A body's top-level fields under the rule of this module: those refused (known, not
+    implemented, not off) and those ignored (unknown)."""
+
+    refused: list[str]
+    ignored: list[str]
+
+    def refusal(self, table: Mapping[str, tuple[Any, ...]]) -> str:
+        return "; ".join(
+            f"{name}: not supported by this runtime ({neutral_values(name, table)})" for name in self.refused
+        )
+
+
+def screen_fields(
+    payload: Mapping[str, Any], model: type[BaseModel], table: Mapping[str, tuple[Any, ...]] = UNIMPLEMENTED_SAMPLING
+) -> ScreenedFields:
+    """The rule for both routes: ``table``'s fields that ask for something are refused, fields
+    neither ``model`` nor ``table`` knows are ignored."""
+    known = model.model_fields
+    return ScreenedFields(
+        refused=unimplemented_sampling_fields(payload, table),
+        ignored=[name for name in payload if name not in known and name not in table],
+    )
 
 
 class StreamOptions(BaseModel):
@@ -172,10 +225,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. ``lane`` and ``ignore_eos`` are batchpilot extensions; any
-    other field is refused by name."""
+    """``POST /v1/chat/completions``. ``lane`` and ``ignore_eos`` are batchpilot extensions; other
+    fields follow the module's rule."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(default=None, max_length=256, description="Served model name; checked when given.")
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000, description="The conversation so far.")
