@@ -284,8 +284,9 @@ def _in_order(body: dict[str, Any], low_key: str, high_key: str) -> dict[str, An
 class SchemaStrategies:
     """Hypothesis strategies for the values one request-body JSON schema allows and refuses."""
 
-    def __init__(self, root: dict[str, Any]) -> None:
-        self.defs: dict[str, Any] = root.get("$defs", {})
+    def __init__(self, document: dict[str, Any]) -> None:
+        # Nested models are in the document's components (server/openapi_doc.py), not under $defs.
+        self.defs: dict[str, Any] = document.get("components", {}).get("schemas", {})
 
     def resolve(self, schema: dict[str, Any]) -> dict[str, Any]:
         while "$ref" in schema:
@@ -403,7 +404,7 @@ def _operations(client: httpx.Client) -> list[Operation]:
             if body_schema is None:
                 operations.append((method.upper(), path, None))
             else:
-                strategies = SchemaStrategies(body_schema)
+                strategies = SchemaStrategies(schema)
                 operations.append(
                     (method.upper(), path, strategies.conforming(body_schema) | strategies.violating(body_schema))
                 )

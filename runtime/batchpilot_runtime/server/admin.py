@@ -31,6 +31,7 @@ from batchpilot_runtime.contract.admin_api import (
     WindowUpdate,
 )
 from batchpilot_runtime.server.logs import RequestIdMiddleware
+from batchpilot_runtime.server.openapi_doc import allow_every_method, document_bodies, json_request_body
 from batchpilot_runtime.server.request_body import ApiError, decode_json, error_message, read_body
 
 logger = logging.getLogger("batchpilot.admin")
@@ -102,7 +103,7 @@ def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin")
         ADMIN_WINDOW_PATH,
         response_model=WindowState,
         response_model_by_alias=True,
-        responses={401: {"model": AdminError}},
+        responses={401: {"model": AdminError}, 503: {"model": AdminError}},
     )
     async def get_window(request: Request) -> JSONResponse:
         if not _token_ok(request.headers.get("authorization"), ctx.admin_token):
@@ -115,13 +116,14 @@ def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin")
     @app.put(
         ADMIN_WINDOW_PATH,
         response_model=WindowState,
-        responses={401: {"model": AdminError}, 409: {"model": AdminError}, 422: {"model": AdminError}},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": WindowUpdate.model_json_schema(by_alias=True)}},
-            }
+        responses={
+            401: {"model": AdminError},
+            409: {"model": AdminError},
+            413: {"model": AdminError},
+            422: {"model": AdminError},
+            503: {"model": AdminError},
         },
+        openapi_extra=json_request_body(WindowUpdate, by_alias=True),
     )
     async def put_window(request: Request) -> JSONResponse:
         # 1. Authenticate before reading anything else.
@@ -153,5 +155,7 @@ def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin")
         )
         return JSONResponse(state.model_dump(mode="json", by_alias=True))
 
+    document_bodies(app, [(WindowUpdate, True)])
+    allow_every_method(app)
     app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
     return app

@@ -32,14 +32,21 @@ from batchpilot_runtime.server.logs import RequestIdMiddleware
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 from batchpilot_runtime.server.openai_schema import (
     UNIMPLEMENTED_SAMPLING,
+    ChatCompletionRequest,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     Usage,
     screen_fields,
+)
+from batchpilot_runtime.server.openapi_doc import (
+    PLAIN_TEXT,
+    SERVING_RESPONSES,
+    allow_every_method,
+    document_bodies,
+    json_request_body,
 )
 from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
 
@@ -95,6 +102,8 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
     _add_probe_routes(app, ctx)
     _add_completion_route(app, ctx)
     add_chat_route(app, ctx)
+    document_bodies(app, [(CompletionRequest, False), (ChatCompletionRequest, False)])
+    allow_every_method(app)
     app.add_middleware(RequestIdMiddleware, logger_name="batchpilot.access")
     return app
 
@@ -102,7 +111,7 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
 def _add_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
     """Registers /healthz, /health, /readyz, /metrics and /v1/models."""
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {}})
     async def healthz() -> JSONResponse:
         """Liveness: fails when the engine loop died or stalled after the model loaded."""
         reason = ctx.not_live_reason()
@@ -110,7 +119,11 @@ def _add_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "Alive (an empty body, as vLLM answers)", "content": {}}, 503: {}},
+    )
     async def health() -> Response:
         """vLLM's, SGLang's and TGI's health path, which LLM clients and benchmarks (guidellm) check
         first: 200 with an empty body while the engine is alive, as vLLM answers; 503 naming why
@@ -120,14 +133,14 @@ def _add_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
             return JSONResponse({"status": reason}, status_code=503)
         return Response(status_code=200)
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {}})
     async def readyz() -> JSONResponse:
         reason = ctx.not_ready_reason()
         if reason is not None:
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         return JSONResponse({"ready": True})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": PLAIN_TEXT}})
     async def metrics() -> Response:
         loaded = ctx.loaded
         if loaded is not None:
@@ -147,13 +160,8 @@ def _add_completion_route(app: FastAPI, ctx: ServingContext) -> None:
     @app.post(
         COMPLETIONS_PATH,
         response_model=CompletionResponse,
-        responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
-            }
-        },
+        responses=SERVING_RESPONSES,
+        openapi_extra=json_request_body(CompletionRequest),
     )
     async def completions(request: Request) -> Response:
         loaded = ready_model(ctx)

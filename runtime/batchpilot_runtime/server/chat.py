@@ -43,10 +43,10 @@ from batchpilot_runtime.server.openai_schema import (
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ErrorResponse,
     Usage,
     screen_fields,
 )
+from batchpilot_runtime.server.openapi_doc import SERVING_RESPONSES, json_request_body
 from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
 
 CHAT_PATH = "/v1/chat/completions"
@@ -110,13 +110,8 @@ def add_chat_route(app: FastAPI, ctx: ServingContext) -> None:
     @app.post(
         CHAT_PATH,
         response_model=ChatCompletionResponse,
-        responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema()}},
-            }
-        },
+        responses=SERVING_RESPONSES,
+        openapi_extra=json_request_body(ChatCompletionRequest),
     )
     async def chat_completions(request: Request) -> Response:
         loaded = ready_model(ctx)

@@ -16,22 +16,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4
+# The largest integer a double holds exactly (as the window's generation): a JavaScript client
+# cannot send a larger one exactly, and readers of the OpenAPI document that parse numbers as
+# doubles (the API fuzzer among them) misread bounds near 2^63 and drew seeds past them.
+MAX_SEED = 2**53 - 1
 MAX_STOP_STRING_CHARS = 256
 
 
-def checked_stop_strings(value: str | list[str] | None) -> str | list[str] | None:
-    strings = [value] if isinstance(value, str) else (value or [])
-    if len(strings) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
-    for text in strings:
-        if not text:
-            raise ValueError("stop strings must not be empty")
-        if len(text) > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
-    return value
+# In the field's type, not a validator, so that the OpenAPI document says what is refused.
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
 def stop_tuple(value: str | list[str] | None) -> tuple[str, ...]:
@@ -150,14 +147,14 @@ class CompletionRequest(BaseModel):
 
     model: str | None = Field(default=None, max_length=256, description="Served model name; checked when given.")
     prompt: (
-        Annotated[str, Field(max_length=1_000_000)]
+        Annotated[str, Field(min_length=1, max_length=1_000_000)]
         | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1_000_000)]
     ) = Field(description="A text prompt, or a prompt as a list of token ids.")
     max_tokens: int = Field(default=16, ge=1, description="Most tokens to generate.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 samples greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Seed of this request's sampler.")
-    stop: str | list[str] | None = Field(default=None, description="Up to 4 strings that end the completion.")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed of this request's sampler.")
+    stop: StopStrings = Field(default=None, description="Up to 4 strings that end the completion.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
@@ -167,11 +164,6 @@ class CompletionRequest(BaseModel):
     lane: str | None = Field(default=None, min_length=1, max_length=64, description="Priority lane (batchpilot).")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
     user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        return checked_stop_strings(value)
 
     def stop_strings(self) -> tuple[str, ...]:
         return stop_tuple(self.stop)
@@ -238,8 +230,8 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, description="The older name of max_completion_tokens.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 samples greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Seed of this request's sampler.")
-    stop: str | list[str] | None = Field(default=None, description="Up to 4 strings that end the reply.")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed of this request's sampler.")
+    stop: StopStrings = Field(default=None, description="Up to 4 strings that end the reply.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
@@ -248,11 +240,6 @@ class ChatCompletionRequest(BaseModel):
         default=False, description="Keep generating past the end-of-sequence and end-of-turn tokens (batchpilot)."
     )
     user: str | None = Field(default=None, max_length=256)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        return checked_stop_strings(value)
 
     def stop_strings(self) -> tuple[str, ...]:
         return stop_tuple(self.stop)
