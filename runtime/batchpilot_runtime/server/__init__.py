@@ -9,7 +9,9 @@ Modules:
 - ``chat``: ``POST /v1/chat/completions`` on the model's chat template (``chat_template``: the
   sandboxed Jinja rendering, ChatML by default).
 - ``generation``: one accepted request from the engine's token events to the client (streamed
-  or whole), shared by the OpenAI routes; ``request_body``: strict JSON, errors naming the field.
+  or whole), shared by the OpenAI routes; ``json_body``: strict JSON and OpenAI's error
+  shape, without a web framework (the gate uses it too); ``request_body``: reading a body, errors
+  naming the field.
 - ``admin``: ``GET``/``PUT /admin/window`` on the admin port (bearer token).
 - ``metrics``: ``MetricsExporter``, the engine's ``EngineObserver``, exporting every metric
   of ``metric_names`` from its own registry.

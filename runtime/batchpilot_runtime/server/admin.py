@@ -29,8 +29,9 @@ from batchpilot_runtime.contract.admin_api import (
     WindowState,
     WindowUpdate,
 )
+from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.logs import RequestIdMiddleware
-from batchpilot_runtime.server.request_body import ApiError, decode_json, error_message, read_body
+from batchpilot_runtime.server.request_body import error_message, read_body
 
 logger = logging.getLogger("batchpilot.admin")
 

@@ -2,7 +2,8 @@
 readiness and metrics.
 
 Handlers validate, submit to ``AsyncEngine`` and await its token events (``generation``); they
-never touch the scheduler. The chat route lives in ``chat``; bodies are read in ``request_body``.
+never touch the scheduler. The chat route lives in ``chat``; bodies are read in ``request_body``
+(decoded by ``json_body``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.server.chat import add_chat_route
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
 from batchpilot_runtime.server.generation import accept, check_model_name, draining_error, ready_model, respond
+from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.logs import RequestIdMiddleware
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 from batchpilot_runtime.server.openai_schema import (
@@ -34,7 +36,7 @@ from batchpilot_runtime.server.openai_schema import (
     neutral_values,
     unimplemented_sampling_fields,
 )
-from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
+from batchpilot_runtime.server.request_body import error_response, read_body, validation_error
 
 # The engine's name of a request field -> the completion request's.
 _API_FIELDS = {"prompt_token_ids": "prompt"}
@@ -86,7 +88,7 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
-        return error.response()
+        return error_response(error)
 
     _add_probe_routes(app, ctx)
     _add_completion_route(app, ctx)

@@ -30,6 +30,7 @@ from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
 from batchpilot_runtime.server.generation import accept, check_model_name, draining_error, ready_model, respond
+from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.openai_schema import (
     UNIMPLEMENTED_SAMPLING,
     ChatCompletionChoice,
@@ -41,7 +42,7 @@ from batchpilot_runtime.server.openai_schema import (
     neutral_values,
     unimplemented_sampling_fields,
 )
-from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
+from batchpilot_runtime.server.request_body import read_body, validation_error
 
 CHAT_PATH = "/v1/chat/completions"
 
