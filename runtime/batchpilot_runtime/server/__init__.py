@@ -16,6 +16,8 @@ Modules:
 - ``metrics``: ``MetricsExporter``, the engine's ``EngineObserver``, exporting every metric
   of ``metric_names`` from its own registry.
 - ``text``: detokenization and stop strings (pure).
+- ``header_limits``: 431 past the limits on a request's head, on every port of the runtime and
+  the gate (``listen.http_server`` applies them).
 - ``logs``: JSON log lines carrying the request id (``X-Request-Id`` honoured or generated).
 - ``runtime``: one process = engine + both ports on one event loop; SIGTERM drains.
 - ``config``: ``ServeConfig`` and lane specs (pure).
