@@ -1,9 +1,10 @@
 """The limits every port shares (the runtime's serving and admin apps, the gate's serving and admin
-apps): request headers past their limit get 431, and a head that never ends is refused without
-being buffered."""
+apps): request headers past their limit get 431, a head that never ends is refused without being
+buffered, and a client that hangs up mid-body is an ordinary outcome, not an error log."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -12,8 +13,8 @@ import pytest
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.server.header_limits import MAX_HEAD_BYTES, MAX_HEADER_BYTES, MAX_HEADER_FIELDS
 from tests.integration.gate_process import GateThread, gate_thread
-from tests.integration.raw_http import connect, exchange, read_answer
-from tests.integration.runtime_process import ThreadRuntime, runtime_thread
+from tests.integration.raw_http import connect, exchange, post_head, read_answer
+from tests.integration.runtime_process import ThreadRuntime, runtime_thread, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -125,3 +126,37 @@ def test_a_head_that_never_ends_is_431_and_closed(port: Port) -> None:
     assert answer.json()["error"]["message"] == HEAD_OVER_THE_LIMIT
     assert answer.headers["connection"] == "close"
     assert closed
+
+
+# -- a hang-up mid-body -------------------------------------------------------------------------------
+
+
+def _access_record(caplog: pytest.LogCaptureFixture, path: str) -> logging.LogRecord | None:
+    records = [r for r in caplog.records if r.name == "batchpilot.access" and getattr(r, "path", None) == path]
+    return records[-1] if records else None
+
+
+@pytest.mark.parametrize("app", ["runtime-serve", "runtime-admin", "gate-admin"])
+def test_a_hang_up_mid_body_is_not_an_error(
+    caplog: pytest.LogCaptureFixture, runtime: ThreadRuntime, gated: GateThread, app: str
+) -> None:
+    url, path, auth = {
+        "runtime-serve": (runtime.serve_url, "/v1/completions", ""),
+        "runtime-admin": (runtime.admin_url, "/admin/window", f"Authorization: Bearer {runtime.token}\r\n"),
+        "gate-admin": (gated.admin_url, "/admin/window", f"Authorization: Bearer {gated.token}\r\n"),
+    }[app]
+    method_head = post_head(path, 1000, auth)
+    if path == "/admin/window":
+        method_head = method_head.replace(b"POST ", b"PUT ", 1)
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    with connect(url) as sock:
+        sock.sendall(method_head + b'{"prompt":')  # 10 of the 1,000 bytes declared, then hang up
+    wait_until(lambda: _access_record(caplog, path) is not None, 30, "the hung-up request's access line")
+    # A request after it is served after the hung-up one was wholly handled (one event loop): any
+    # error it caused is logged by then.
+    after = exchange(url, b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+    assert after.status == (404 if path == "/admin/window" else 200)
+    record = _access_record(caplog, path)
+    assert record is not None and getattr(record, "status", None) == 499
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -31,7 +31,7 @@ from batchpilot_runtime.contract.admin_api import (
 )
 from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.logs import RequestIdMiddleware
-from batchpilot_runtime.server.request_body import error_message, read_body
+from batchpilot_runtime.server.request_body import add_client_gone_handler, error_message, read_body
 
 logger = logging.getLogger("batchpilot.admin")
 
@@ -97,6 +97,7 @@ def _unauthorized() -> JSONResponse:
 def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin") -> FastAPI:
     app = FastAPI(title=title, version="0.1.0", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+    add_client_gone_handler(app)
 
     @app.get(
         ADMIN_WINDOW_PATH,

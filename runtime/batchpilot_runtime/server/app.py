@@ -36,7 +36,7 @@ from batchpilot_runtime.server.openai_schema import (
     neutral_values,
     unimplemented_sampling_fields,
 )
-from batchpilot_runtime.server.request_body import error_response, read_body, validation_error
+from batchpilot_runtime.server.request_body import add_client_gone_handler, error_response, read_body, validation_error
 
 # The engine's name of a request field -> the completion request's.
 _API_FIELDS = {"prompt_token_ids": "prompt"}
@@ -90,6 +90,7 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
 
+    add_client_gone_handler(app)
     _add_probe_routes(app, ctx)
     _add_completion_route(app, ctx)
     add_chat_route(app, ctx)

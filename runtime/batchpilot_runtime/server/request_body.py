@@ -8,10 +8,13 @@ gate uses without fastapi; here a refused literal is reported at its field by py
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
+from starlette.requests import ClientDisconnect
 
 from batchpilot_runtime.server.json_body import (
     MAX_BODY_BYTES,
@@ -20,6 +23,12 @@ from batchpilot_runtime.server.json_body import (
     declared_length_error,
     over_limit_error,
 )
+
+logger = logging.getLogger("batchpilot.access")
+
+# nginx's status for a request whose client closed the connection first; nobody receives it, the
+# access log line shows it.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -52,7 +61,8 @@ def validation_error(error: ValidationError) -> ApiError:
 
 
 async def read_body(request: Request, limit_bytes: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 past ``limit_bytes`` without buffering the rest."""
+    """The request body, refused with 413 past ``limit_bytes`` without buffering the rest. A client
+    that hangs up before the end raises starlette's ``ClientDisconnect`` (``add_client_gone_handler``)."""
     too_long = declared_length_error(request.headers.get("content-length"), limit_bytes)
     if too_long is not None:
         raise too_long
@@ -64,3 +74,14 @@ async def read_body(request: Request, limit_bytes: int = MAX_BODY_BYTES) -> byte
             raise over_limit_error(limit_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def add_client_gone_handler(app: FastAPI) -> None:
+    """A client that hangs up before its body is read is an ordinary outcome, not a server error:
+    answered (to nobody) with 499 and logged at debug, instead of escaping to uvicorn's error log."""
+
+    async def client_gone(request: Request, _error: Exception) -> Response:
+        logger.debug("the client hung up before its body was read", extra={"path": request.url.path})
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    app.add_exception_handler(ClientDisconnect, client_gone)
