@@ -1,9 +1,10 @@
 """Running ``batchpilot-gate`` and an upstream stand-in from tests, each on its own thread and loop.
 
 - ``gate_thread``: ``run_gate`` in this process (its ``Gate`` object is at hand for white-box checks).
-- ``StandIn``: an OpenAI-shaped upstream that counts the requests in flight and records the count
-  each request saw when it arrived; it streams ``max_tokens`` SSE events, or answers whole, and can
-  hold every request until the test lets it go (``release``), so a test decides when slots free up.
+- ``StandIn``: an OpenAI-shaped upstream that counts the requests in flight, records the count each
+  request saw when it arrived and each body; it streams ``max_tokens`` SSE events, or answers whole,
+  and can hold every request until the test lets it go (``release``), so a test decides when slots
+  free up.
   A request leaves the count before the upstream sends its last bytes, so a gate (which frees its
   slot only after those bytes) can never let the next request in while the stand-in still counts it.
 """
@@ -61,6 +62,7 @@ class StandIn:
         self.arrivals: list[int] = []  # in-flight count each request saw on arrival (itself included)
         self.finished = 0
         self.disconnected = 0
+        self.bodies: list[bytes] = []  # each request's body as it arrived
         self._permits: asyncio.Semaphore | None = None
 
     def release(self, loop_thread: LoopThread, count: int) -> None:
@@ -88,6 +90,7 @@ class StandIn:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        self.bodies.append(body)
         request = json.loads(body)
         if self._permits is None:
             self._permits = asyncio.Semaphore(0)

@@ -53,6 +53,9 @@ CONTROL_CORE_MODULES = (
 # batchpilot-gate runs as a sidecar beside an engine: no torch, no model, no tokenizer, no chat templates.
 GATE_FORBIDDEN = "torch,transformers,safetensors,tokenizers,gguf,jinja2,numpy,kopf,kubernetes,prometheus_api_client"
 GATE_MODULES = "batchpilot_runtime.gate.*"
+# The gate's serving port is raw ASGI: it reads bodies with the runtime's decoder, not through fastapi.
+WEB_FRAMEWORKS = "fastapi,starlette"
+GATE_PROXY_MODULES = "batchpilot_runtime.gate.proxy,batchpilot_runtime.server.json_body"
 CONTRACT_MODULES = "batchpilot_runtime,batchpilot_runtime.contract.window,batchpilot_runtime.contract.admin_api,batchpilot_runtime.contract.metric_names,batchpilot_runtime.replay.trace"
 
 
@@ -75,6 +78,7 @@ def _run(forbidden: str, targets: str, skip: str = "") -> subprocess.CompletedPr
         pytest.param(PURE_FORBIDDEN, PURE_MODULES, id="pure-parts-without-io"),
         pytest.param(PURE_FORBIDDEN, CONTROL_CORE_MODULES, id="control-core-without-io"),
         pytest.param(GATE_FORBIDDEN, GATE_MODULES, id="gate-without-torch-or-model"),
+        pytest.param(WEB_FRAMEWORKS, GATE_PROXY_MODULES, id="gate-proxy-without-web-framework"),
     ],
 )
 def test_import_boundary(forbidden: str, targets: str) -> None:

@@ -1,13 +1,22 @@
 """The gate's serving port: an ASGI app that admits OpenAI requests through the ``Gate`` and passes
 them to the upstream engine.
 
-- ``POST /v1/completions`` and ``POST /v1/chat/completions`` wait for admission (429 with
-  Retry-After on a full queue, 400 naming ``lane`` for an unknown lane, 503 while draining), then go
-  upstream unchanged; the answer comes back unchanged, a streamed one chunk for chunk as the
-  upstream sends it (nothing is buffered). An upstream that cannot be reached, or fails before it
-  answers, is a 502 naming the upstream; one that fails mid-stream ends the stream with an SSE error
-  event. A client that hangs up, waiting or streaming, frees its place at once and the upstream
-  request is closed.
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: the body is read once with the
+  runtime's strict decoder (``server.json_body``: its size limit, depth, number ranges and
+  encoding), so that a client is told the same whatever engine is behind the gate: a body the
+  runtime refuses unread (over the limit: 413, at once from its ``Content-Length``; not UTF-8, not
+  JSON, nested too deeply: 400) gets the runtime's status and words. The gate reads no schema, so a
+  literal the decoder refuses (an integer past 64 bits, NaN or a number past a double, a lone
+  surrogate) is refused wherever it is, with 400 naming the path of the first one in document
+  order (``prompt.1: ...``, ``param`` its first segment) in the runtime's words: no engine can be
+  trusted to carry such a value on (the runtime itself ignores one in a field it does not read).
+  The lane is the ``X-Batchpilot-Lane`` header, else a top-level string ``lane`` of the body.
+  The request then waits for admission (503 while draining, 429 with Retry-After on a full queue,
+  400 naming ``lane`` for an unknown lane) and goes upstream as the very bytes the client sent;
+  the answer comes back unchanged, a streamed one chunk for chunk as the upstream sends it
+  (nothing is buffered). An upstream that cannot be reached, or fails before it answers, is a 502
+  naming the upstream; one that fails mid-stream ends the stream with an SSE error event. A client
+  that hangs up, waiting or streaming, frees its place at once and the upstream request is closed.
 - ``GET /v1/models`` and ``GET /health`` pass through without admission; ``/healthz`` answers for
   the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own.
 
@@ -33,6 +42,14 @@ from batchpilot_runtime.gate.h1client import Response, SlotClient, UpstreamClose
 from batchpilot_runtime.gate.service import Gate
 from batchpilot_runtime.gate.upstream import UpstreamSlots
 from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, RequestTimings
+from batchpilot_runtime.server.json_body import (
+    MAX_BODY_BYTES,
+    ApiError,
+    declared_length_error,
+    decode_json,
+    first_refused,
+    over_limit_error,
+)
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 
 logger = logging.getLogger("batchpilot.gate")
@@ -44,7 +61,6 @@ Send = Callable[[Message], Awaitable[None]]
 
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 PASSTHROUGH_PATHS = frozenset({"/v1/models", "/health"})
-MAX_BODY_BYTES = 16 * 1024 * 1024
 TAIL_BYTES = 65536  # of an answer kept for its usage object
 DRAINING_RETRY_AFTER_S = 1
 # Headers that belong to one hop (RFC 9110 section 7.6.1), never forwarded either way; uvicorn sets its own.
@@ -63,18 +79,6 @@ _USAGE_KEY = b'"usage"'
 
 class _ClientGone(Exception):
     """The client hung up before its request was read."""
-
-
-class _Refused(Exception):
-    """An answer the gate gives itself, in OpenAI's error shape."""
-
-    def __init__(
-        self, status: int, message: str, kind: str, param: str | None = None, headers: dict[str, str] | None = None
-    ):
-        super().__init__(message)
-        self.status = status
-        self.body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
-        self.headers = headers or {}
 
 
 @dataclass
@@ -103,7 +107,24 @@ async def _send_simple(send: Send, status: int, body: bytes, content_type: bytes
     await send({"type": "http.response.body", "body": body})
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _send_error(send: Send, error: ApiError) -> None:
+    await _send_simple(send, error.status, json.dumps(error.body()).encode(), b"application/json", error.headers)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case, as the server gives every name)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive) -> bytes:
+    """The body within the runtime's limit, refused as the runtime refuses it: at once from a
+    ``Content-Length`` over the limit, else as soon as what arrived passes it."""
+    too_long = declared_length_error(_header(scope, b"content-length"))
+    if too_long is not None:
+        raise too_long
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -113,10 +134,20 @@ async def _read_body(receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise _Refused(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error")
+            raise over_limit_error()
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _decoded(body: bytes) -> Any:
+    """The body as the runtime's strict decoder reads it; an ``ApiError`` where the runtime would
+    refuse it, and for any refused literal anywhere in it (see the module docstring)."""
+    payload = decode_json(body)
+    refused = first_refused(payload)
+    if refused is not None:
+        raise refused
+    return payload
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -124,19 +155,13 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-def _lane_of(scope: Scope, body: bytes) -> str:
-    """The lane header, else a top-level ``lane`` field of the body (the runtime's two ways)."""
-    for name, value in scope["headers"]:
-        if name == _LANE_HEADER:
-            return str(value.decode("latin-1").strip()) or DEFAULT_LANE
-    if b'"lane"' in body:
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return DEFAULT_LANE  # the upstream answers the malformed body itself
-        if isinstance(parsed, dict) and isinstance(parsed.get("lane"), str):
-            return str(parsed["lane"])
-    return DEFAULT_LANE
+def _lane_of(scope: Scope, payload: Any) -> str:
+    """The lane header, else a top-level string ``lane`` of the decoded body (the runtime's two ways)."""
+    header = _header(scope, _LANE_HEADER)
+    if header is not None:
+        return header.strip() or DEFAULT_LANE
+    lane = payload.get("lane") if isinstance(payload, dict) else None
+    return lane if isinstance(lane, str) else DEFAULT_LANE
 
 
 def _usage_tokens(tail: bytes, streamed: bool) -> tuple[int, int] | None:
@@ -185,9 +210,9 @@ class GateApp:
             elif path == "/readyz" and method == "GET":
                 await self._readyz(send)
             else:
-                raise _Refused(404, f"{method} {path}: not served by batchpilot-gate", "not_found_error")
-        except _Refused as refusal:
-            await _send_simple(send, refusal.status, refusal.body, b"application/json", refusal.headers)
+                raise ApiError(404, f"{method} {path}: not served by batchpilot-gate", kind="not_found_error")
+        except ApiError as refusal:
+            await _send_error(send, refusal)
 
     # -- the admitted routes -------------------------------------------------------------------
 
@@ -195,29 +220,29 @@ class GateApp:
         gate = self.gate
         arrival_s = gate.clock()
         try:
-            body = await _read_body(receive)
+            body = await _read_body(scope, receive)
         except _ClientGone:
             return
         if gate.draining:
-            raise _Refused(
+            raise ApiError(
                 503,
                 "the gate is draining; retry on another replica",
-                "service_unavailable",
+                kind="service_unavailable",
                 headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
             )
-        lane = _lane_of(scope, body)
+        lane = _lane_of(scope, _decoded(body))
         try:
             request_id, admission = gate.enqueue(lane)
         except QueueFullError as error:
             retry_after_s = max(1, math.ceil(error.retry_after_s))
-            raise _Refused(
+            raise ApiError(
                 429,
                 f"the waiting queue is full; retry in {retry_after_s} s",
-                "rate_limit_exceeded",
+                kind="rate_limit_exceeded",
                 headers={"Retry-After": str(retry_after_s)},
             ) from None
         except RequestRejected as error:
-            raise _Refused(400, str(error), "invalid_request_error", param=error.field) from None
+            raise ApiError(400, str(error), param=error.field) from None
         exchange = _Exchange(arrival_s=arrival_s, lane=lane)
         work = asyncio.ensure_future(self._forward(scope, body, admission, exchange, send))
         watch = asyncio.ensure_future(_until_disconnect(receive))
@@ -234,8 +259,7 @@ class GateApp:
                 logger.error("gate request failed", exc_info=failure)
                 exchange.outcome = "error"
                 if not exchange.response_started:
-                    refusal = _Refused(500, f"the gate failed: {failure!r}", "internal_error")
-                    await _send_simple(send, 500, refusal.body, b"application/json", {})
+                    await _send_error(send, ApiError(500, f"the gate failed: {failure!r}", kind="internal_error"))
         finally:
             watch.cancel()
             gate.release(request_id)
@@ -315,8 +339,7 @@ class GateApp:
         exchange.events += events
 
     async def _bad_gateway(self, send: Send, error: Exception) -> None:
-        refusal = _Refused(502, f"upstream {self.upstream} did not answer: {error}", "bad_gateway")
-        await _send_simple(send, refusal.status, refusal.body, b"application/json", {})
+        await _send_error(send, ApiError(502, f"upstream {self.upstream} did not answer: {error}", kind="bad_gateway"))
 
     def _report(self, exchange: _Exchange) -> None:
         admitted = exchange.admitted
@@ -354,15 +377,15 @@ class GateApp:
 
     async def _readyz(self, send: Send) -> None:
         if self.gate.draining:
-            raise _Refused(503, "draining", "service_unavailable")
+            raise ApiError(503, "draining", kind="service_unavailable")
         try:
             response = await self.slots.side.get(self.upstream + "/health", timeout=2.0)
         except httpx.HTTPError as error:
-            raise _Refused(
-                503, f"upstream {self.upstream} is not reachable: {error!r}", "service_unavailable"
+            raise ApiError(
+                503, f"upstream {self.upstream} is not reachable: {error!r}", kind="service_unavailable"
             ) from None
         if response.status_code != 200:
-            raise _Refused(
-                503, f"upstream {self.upstream}/health answered {response.status_code}", "service_unavailable"
+            raise ApiError(
+                503, f"upstream {self.upstream}/health answered {response.status_code}", kind="service_unavailable"
             )
         await _send_simple(send, 200, b"ok", b"text/plain", {})

@@ -9,11 +9,15 @@ Modules:
 - ``chat``: ``POST /v1/chat/completions`` on the model's chat template (``chat_template``: the
   sandboxed Jinja rendering, ChatML by default).
 - ``generation``: one accepted request from the engine's token events to the client (streamed
-  or whole), shared by the OpenAI routes; ``request_body``: strict JSON, errors naming the field.
+  or whole), shared by the OpenAI routes; ``json_body``: strict JSON and OpenAI's error
+  shape, without a web framework (the gate uses it too); ``request_body``: reading a body, errors
+  naming the field.
 - ``admin``: ``GET``/``PUT /admin/window`` on the admin port (bearer token).
 - ``metrics``: ``MetricsExporter``, the engine's ``EngineObserver``, exporting every metric
   of ``metric_names`` from its own registry.
 - ``text``: detokenization and stop strings (pure).
+- ``header_limits``: 431 past the limits on a request's head, on every port of the runtime and
+  the gate (``listen.http_server`` applies them).
 - ``logs``: JSON log lines carrying the request id (``X-Request-Id`` honoured or generated).
 - ``runtime``: one process = engine + both ports on one event loop; SIGTERM drains.
 - ``config``: ``ServeConfig`` and lane specs (pure).

@@ -30,9 +30,10 @@ from batchpilot_runtime.contract.admin_api import (
     WindowState,
     WindowUpdate,
 )
+from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.logs import RequestIdMiddleware
 from batchpilot_runtime.server.openapi_doc import allow_every_method, document_bodies, json_request_body
-from batchpilot_runtime.server.request_body import ApiError, decode_json, error_message, read_body
+from batchpilot_runtime.server.request_body import add_client_gone_handler, error_message, read_body
 
 logger = logging.getLogger("batchpilot.admin")
 
@@ -98,6 +99,7 @@ def _unauthorized() -> JSONResponse:
 def create_admin_app(ctx: WindowHolder, title: str = "batchpilot runtime admin") -> FastAPI:
     app = FastAPI(title=title, version="0.1.0", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+    add_client_gone_handler(app)
 
     @app.get(
         ADMIN_WINDOW_PATH,

@@ -2,7 +2,8 @@
 readiness and metrics.
 
 Handlers validate, submit to ``AsyncEngine`` and await its token events (``generation``); they
-never touch the scheduler. The chat route lives in ``chat``; bodies are read in ``request_body``.
+never touch the scheduler. The chat route lives in ``chat``; bodies are read in ``request_body``
+(decoded by ``json_body``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from batchpilot_runtime.server.generation import (
     ready_model,
     respond,
 )
+from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.logs import RequestIdMiddleware
 from batchpilot_runtime.server.metrics import EXPOSITION_CONTENT_TYPE
 from batchpilot_runtime.server.openai_schema import (
@@ -48,7 +50,7 @@ from batchpilot_runtime.server.openapi_doc import (
     document_bodies,
     json_request_body,
 )
-from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
+from batchpilot_runtime.server.request_body import add_client_gone_handler, error_response, read_body, validation_error
 
 # The engine's name of a request field -> the completion request's.
 COMPLETIONS_PATH = "/v1/completions"
@@ -97,8 +99,9 @@ def create_serving_app(ctx: ServingContext) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
-        return error.response()
+        return error_response(error)
 
+    add_client_gone_handler(app)
     _add_probe_routes(app, ctx)
     _add_completion_route(app, ctx)
     add_chat_route(app, ctx)

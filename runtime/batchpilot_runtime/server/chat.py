@@ -37,6 +37,7 @@ from batchpilot_runtime.server.generation import (
     ready_model,
     respond,
 )
+from batchpilot_runtime.server.json_body import ApiError, decode_json
 from batchpilot_runtime.server.openai_schema import (
     UNIMPLEMENTED_SAMPLING,
     ChatCompletionChoice,
@@ -47,7 +48,7 @@ from batchpilot_runtime.server.openai_schema import (
     screen_fields,
 )
 from batchpilot_runtime.server.openapi_doc import SERVING_RESPONSES, json_request_body
-from batchpilot_runtime.server.request_body import ApiError, decode_json, read_body, validation_error
+from batchpilot_runtime.server.request_body import read_body, validation_error
 
 CHAT_PATH = "/v1/chat/completions"
 

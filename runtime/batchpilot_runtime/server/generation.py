@@ -30,8 +30,8 @@ from batchpilot_runtime.engine.types import (
     TokenEvent,
 )
 from batchpilot_runtime.server.context import LoadedModel, ServingContext
+from batchpilot_runtime.server.json_body import ApiError
 from batchpilot_runtime.server.openai_schema import ErrorDetail, Usage
-from batchpilot_runtime.server.request_body import ApiError
 from batchpilot_runtime.server.text import StopStringDetector
 
 logger = logging.getLogger("batchpilot.server")

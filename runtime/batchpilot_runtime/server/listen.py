@@ -17,6 +17,8 @@ from typing import Any
 
 import uvicorn
 
+from batchpilot_runtime.server.header_limits import BoundedHttpToolsProtocol, HeaderLimits
+
 GRACEFUL_CLOSE_S = 5
 
 
@@ -29,10 +31,12 @@ class QuietServer(uvicorn.Server):
 
 
 def http_server(app: Any) -> QuietServer:
-    """A server for an ASGI app, without uvicorn's own logging, lifespan or websockets."""
+    """A server for an ASGI app, without uvicorn's own logging, lifespan or websockets, under the
+    limits on a request's head that every port shares (``header_limits``)."""
     return QuietServer(
         uvicorn.Config(
-            app,
+            HeaderLimits(app),
+            http=BoundedHttpToolsProtocol,
             log_config=None,
             access_log=False,
             lifespan="off",
