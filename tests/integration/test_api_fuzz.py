@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batchpilot_runtime.contract.admin_api import ADMIN_WINDOW_PATH
 from batchpilot_runtime.contract.window import Window
 from tests.integration.gate_process import GateThread, gate_thread
 from tests.integration.runtime_process import ThreadRuntime, runtime_thread
@@ -53,9 +54,9 @@ def gated(runtime: ThreadRuntime, tmp_path_factory: pytest.TempPathFactory) -> I
         yield gate
 
 
-def fuzz(base_url: str, headers: dict[str, str] | None = None) -> None:
+def fuzz(base_url: str, alive_path: str, headers: dict[str, str] | None = None) -> None:
     """Run schemathesis against the app at ``base_url``; fail with its report when it finds anything,
-    and when the app no longer answers ``/healthz`` afterwards."""
+    and when the app no longer answers 200 on ``alive_path`` afterwards."""
     command = [
         str(SCHEMATHESIS),
         "--config-file",
@@ -81,16 +82,21 @@ def fuzz(base_url: str, headers: dict[str, str] | None = None) -> None:
     report = run.stdout[-20_000:] + run.stderr[-5_000:]
     assert run.returncode == 0, report
     assert " passed" in report and "failure" not in report.split("SUMMARY")[-1], report
-    assert httpx.get(f"{base_url}/healthz", timeout=30.0).status_code == 200
+    assert httpx.get(f"{base_url}{alive_path}", headers=headers, timeout=30.0).status_code == 200
 
 
 def test_runtime_serving_app(runtime: ThreadRuntime) -> None:
-    fuzz(runtime.serve_url)
+    fuzz(runtime.serve_url, "/healthz")
 
 
 def test_runtime_admin_app(runtime: ThreadRuntime) -> None:
-    fuzz(runtime.admin_url, runtime.auth_headers())
+    fuzz(runtime.admin_url, ADMIN_WINDOW_PATH, runtime.auth_headers())
 
 
 def test_gate_admin_app(gated: GateThread) -> None:
-    fuzz(gated.admin_url, gated.auth_headers())
+    fuzz(gated.admin_url, ADMIN_WINDOW_PATH, gated.auth_headers())
+
+
+def test_gate_serving_app(gated: GateThread) -> None:
+    # In front of the runtime: the gate's own refusals and the runtime's answers, passed through.
+    fuzz(gated.serve_url, "/healthz")

@@ -18,7 +18,9 @@ them to the upstream engine.
   naming the upstream; one that fails mid-stream ends the stream with an SSE error event. A client
   that hangs up, waiting or streaming, frees its place at once and the upstream request is closed.
 - ``GET /v1/models`` and ``GET /health`` pass through without admission; ``/healthz`` answers for
-  the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own.
+  the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own;
+  ``/openapi.json`` is the port's document (``openapi``). Another method on a served path is a 405
+  naming the methods in ``Allow``.
 
 Raw ASGI rather than a framework: the hot path is read body, await admission, stream bytes, and
 each layer a framework adds is latency on every chunk.
@@ -39,6 +41,7 @@ import httpx
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.gate.admission import Admitted
 from batchpilot_runtime.gate.h1client import Response, SlotClient, UpstreamClosed, UpstreamError
+from batchpilot_runtime.gate.openapi import DOCUMENT_BYTES, SERVED_METHODS
 from batchpilot_runtime.gate.service import Gate
 from batchpilot_runtime.gate.upstream import UpstreamSlots
 from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, RequestTimings
@@ -209,6 +212,16 @@ class GateApp:
                 await _send_simple(send, 200, b"ok", b"text/plain", {})
             elif path == "/readyz" and method == "GET":
                 await self._readyz(send)
+            elif path == "/openapi.json" and method == "GET":
+                await _send_simple(send, 200, DOCUMENT_BYTES, b"application/json", {})
+            elif path in SERVED_METHODS:
+                allowed = ", ".join(SERVED_METHODS[path])
+                raise ApiError(
+                    405,
+                    f"{method} {path}: the gate serves {allowed} here",
+                    kind="invalid_request_error",
+                    headers={"Allow": allowed},
+                )
             else:
                 raise ApiError(404, f"{method} {path}: not served by batchpilot-gate", kind="not_found_error")
         except ApiError as refusal:
