@@ -64,6 +64,16 @@ def test_wrong_api_version_is_named(tmp_path: Path) -> None:
     assert loaded.error is not None and "apiVersion/kind" in loaded.error
 
 
+def test_a_file_the_reader_refuses_is_one_problem_of_that_file(tmp_path: Path) -> None:
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 500 + "]" * 500 + "\n")
+    (tmp_path / "good.yaml").write_text(GOOD)
+    refused, good = load_profiles(tmp_path)
+    assert (refused.source, refused.name, refused.spec) == (str(tmp_path / "deep.yaml"), None, None)
+    assert refused.problems == (refused.error,)
+    assert refused.error is not None and refused.error.startswith("refused: nested deeper than 100 levels")
+    assert (good.key, good.error) == ("ml/chat", None)
+
+
 def test_parse_runtime_flag(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
