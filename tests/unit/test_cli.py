@@ -187,6 +187,28 @@ def test_validate_refuses_hostile_yaml_naming_the_file_in_bounded_memory(
     assert int(lines[-1].split()[1]) * 1024 < 16 * 1024 * 1024
 
 
+def test_validate_reports_metadata_and_spec_problems_together(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.yaml"
+    metadata = "metadata: {name: Bad_Name!, namespace: Not A Namespace, labels: [app]}"
+    bad.write_text(THREE_ERRORS.replace("metadata: {name: three}", metadata))
+    assert operator_cli.main(["validate", str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": INVALID: ")[1].split(":")[0] for line in lines] == [
+        "metadata.name",
+        "metadata.namespace",
+        "metadata.labels",
+        "spec.slo.p99Ms",
+        "spec",
+        "spec",
+    ]
+    assert all(line.startswith(f"{bad}: ?: INVALID: ") for line in lines)
+    assert lines[0].endswith(': Invalid value: "Bad_Name!": a lowercase RFC 1123 subdomain must consist of lower '
+                             "case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric "
+                             "character (e.g. 'example.com', regex used for validation is "
+                             r"'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")  # fmt: skip
+    assert lines[2].endswith("metadata.labels: must be a map of string keys to string values, got a list")
+
+
 def test_runtime_metrics_lists_the_contract(capsys) -> None:  # type: ignore[no-untyped-def]
     assert runtime_cli.main(["metrics"]) == 0
     out = capsys.readouterr().out

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot_operator import API_VERSION, GROUP, KIND
+from batchpilot_operator.api.metadata import dns1123_label_errors, dns1123_subdomain_errors
 from batchpilot_operator.api.profile import BatchProfileSpec, ProfileError, parse_manifest
 from batchpilot_operator.api.yaml_input import YamlInputError, read_yaml_documents
 
@@ -66,11 +67,18 @@ def _is_batch_profile(document: Any) -> bool:
     return document.get("kind") == KIND or api_version.split("/")[0] == GROUP
 
 
+def _identity(metadata: Any) -> tuple[str, str | None]:
+    """The namespace and name a profile's problems are filed under: each only when valid, since an invalid
+    one (maybe a megabyte long) is shown, cut short, by the problem that refuses it."""
+    metadata = metadata if isinstance(metadata, dict) else {}
+    name, namespace = metadata.get("name"), metadata.get("namespace")
+    valid_name = isinstance(name, str) and bool(name) and not dns1123_subdomain_errors(name)
+    valid_namespace = isinstance(namespace, str) and bool(namespace) and not dns1123_label_errors(namespace)
+    return (namespace if valid_namespace else "default"), (name if valid_name else None)
+
+
 def _load_document(source: str, document: dict[str, Any]) -> LoadedProfile:
-    metadata = document.get("metadata") if isinstance(document.get("metadata"), dict) else {}
-    raw_name = metadata.get("name") if metadata else None
-    name = raw_name if isinstance(raw_name, str) and raw_name else None
-    namespace = str((metadata or {}).get("namespace") or "default")
+    namespace, name = _identity(document.get("metadata"))
     try:
         namespace, parsed_name, spec = parse_manifest(document)
     except ProfileError as error:
