@@ -128,6 +128,87 @@ def test_validate_reports_unreadable_yaml_without_traceback(tmp_path: Path) -> N
     assert "broken.yaml" in result.stdout + result.stderr
 
 
+# validate run in a child that reports how much its peak resident size (KiB on Linux) grew during main(),
+# once everything validate imports is loaded.
+VALIDATE_AND_MEASURE = """
+import resource, sys
+import batchpilot_operator.api.manifests, batchpilot_operator.tuning.unused
+from batchpilot_operator.cli.main import main
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+status = main(["validate", *sys.argv[1:]])
+print("maxrss_growth_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+sys.exit(status)
+"""
+
+
+def _laughs(levels: int) -> str:
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def _write_hostile(path: Path, kind: str) -> None:
+    if kind == "deep":
+        path.write_text("a: " + "[" * 500 + "]" * 500 + "\n")  # issue #32's file
+    elif kind == "laughs":
+        path.write_text("apiVersion: batchpilot.dev/v1alpha1\nkind: BatchProfile\n" + _laughs(9))
+    elif kind == "cycle":
+        path.write_text("kind: BatchProfile\nspec: &s {lanes: [*s]}\n")
+    else:
+        with path.open("wb") as stream:
+            stream.truncate(100 * 1024 * 1024)  # sparse: 100 MB to stat, nothing on disk
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("deep", "refused: nested deeper than 100 levels (aliases expanded)"),
+        ("laughs", "refused: more than 100000 nodes (aliases expanded)"),
+        ("cycle", "refused: alias *s is inside the node it names (a cycle)"),
+        ("huge", "too large: 104857600 bytes, over the limit of 3145728 bytes"),
+    ],
+)
+def test_validate_refuses_hostile_yaml_naming_the_file_in_bounded_memory(
+    tmp_path: Path, kind: str, problem: str
+) -> None:
+    hostile = tmp_path / f"{kind}.yaml"
+    _write_hostile(hostile, kind)
+    result = subprocess.run(
+        [sys.executable, "-c", VALIDATE_AND_MEASURE, str(hostile)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert (result.returncode, result.stderr) == (1, "")
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{hostile}: ?: INVALID: {problem}")
+    assert lines[-1].startswith("maxrss_growth_kib ")
+    assert int(lines[-1].split()[1]) * 1024 < 16 * 1024 * 1024
+
+
+def test_validate_reports_metadata_and_spec_problems_together(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.yaml"
+    metadata = "metadata: {name: Bad_Name!, namespace: Not A Namespace, labels: [app]}"
+    bad.write_text(THREE_ERRORS.replace("metadata: {name: three}", metadata))
+    assert operator_cli.main(["validate", str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": INVALID: ")[1].split(":")[0] for line in lines] == [
+        "metadata.name",
+        "metadata.namespace",
+        "metadata.labels",
+        "spec.slo.p99Ms",
+        "spec",
+        "spec",
+    ]
+    assert all(line.startswith(f"{bad}: ?: INVALID: ") for line in lines)
+    assert lines[0].endswith(': Invalid value: "Bad_Name!": a lowercase RFC 1123 subdomain must consist of lower '
+                             "case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric "
+                             "character (e.g. 'example.com', regex used for validation is "
+                             r"'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")  # fmt: skip
+    assert lines[2].endswith("metadata.labels: must be a map of string keys to string values, got a list")
+
+
 def test_runtime_metrics_lists_the_contract(capsys) -> None:  # type: ignore[no-untyped-def]
     assert runtime_cli.main(["metrics"]) == 0
     out = capsys.readouterr().out

@@ -64,6 +64,33 @@ def test_wrong_api_version_is_named(tmp_path: Path) -> None:
     assert loaded.error is not None and "apiVersion/kind" in loaded.error
 
 
+def test_metadata_that_is_not_a_mapping_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(GOOD.replace("metadata: {name: chat, namespace: ml}", "metadata: [chat, ml]"))
+    (loaded,) = load_profiles(tmp_path / "p.yaml")
+    assert (loaded.namespace, loaded.name, loaded.spec) == ("default", None, None)
+    assert loaded.problems == ("metadata: must be a mapping, got a list",)
+
+
+def test_an_invalid_name_is_not_repeated_as_the_profiles_name(tmp_path: Path) -> None:
+    # The problem shows it, cut short; a megabyte name must not be printed again on every line.
+    (tmp_path / "p.yaml").write_text(GOOD.replace("name: chat,", f"name: {'a' * 1_000_000},"))
+    (loaded,) = load_profiles(tmp_path / "p.yaml")
+    assert (loaded.namespace, loaded.name) == ("ml", None)
+    assert loaded.problems == (
+        f'metadata.name: Invalid value: "{"a" * 64}..." (1000000 characters): must be no more than 253 characters',
+    )
+
+
+def test_a_file_the_reader_refuses_is_one_problem_of_that_file(tmp_path: Path) -> None:
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 500 + "]" * 500 + "\n")
+    (tmp_path / "good.yaml").write_text(GOOD)
+    refused, good = load_profiles(tmp_path)
+    assert (refused.source, refused.name, refused.spec) == (str(tmp_path / "deep.yaml"), None, None)
+    assert refused.problems == (refused.error,)
+    assert refused.error is not None and refused.error.startswith("refused: nested deeper than 100 levels")
+    assert (good.key, good.error) == ("ml/chat", None)
+
+
 def test_parse_runtime_flag(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")

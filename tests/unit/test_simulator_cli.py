@@ -79,3 +79,13 @@ def test_simulate_refuses_an_unknown_cost_profile(tmp_path: Path, capsys: pytest
     trace = write_trace(tmp_path / "trace.csv")
     assert main(["simulate", "--trace", str(trace), "--cost-profile", "no-such-gpu"]) == 2
     assert "no-such-gpu" in capsys.readouterr().err
+
+
+def test_simulate_refuses_a_deep_profile_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The simulator reads its --profile through the same bounded reader as validate: no RecursionError.
+    trace = write_trace(tmp_path / "trace.csv")
+    profile = tmp_path / "deep.yaml"
+    profile.write_text("a: " + "[" * 500 + "]" * 500 + "\n")
+    assert main(["simulate", "--trace", str(trace), "--profile", str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"batchpilot-operator simulate: error: {profile}: refused: nested deeper than 100 levels")

@@ -4,7 +4,8 @@ A file may hold several documents (``---``) and ``kind: List`` wrappers.
 Documents of other kinds are skipped, so that a folder of mixed manifests
 (a kustomization, a Deployment beside the profiles) can be pointed at as it is.
 Every BatchProfile comes back, valid or not: a bad one carries the error naming
-its fields instead of stopping the whole load.
+its fields instead of stopping the whole load. Files are read by
+:func:`~batchpilot_operator.api.yaml_input.read_yaml_documents`, within its bounds.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from batchpilot_operator import API_VERSION, GROUP, KIND
+from batchpilot_operator.api.metadata import dns1123_label_errors, dns1123_subdomain_errors
 from batchpilot_operator.api.profile import BatchProfileSpec, ProfileError, parse_manifest
+from batchpilot_operator.api.yaml_input import YamlInputError, read_yaml_documents
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -66,11 +67,18 @@ def _is_batch_profile(document: Any) -> bool:
     return document.get("kind") == KIND or api_version.split("/")[0] == GROUP
 
 
+def _identity(metadata: Any) -> tuple[str, str | None]:
+    """The namespace and name a profile's problems are filed under: each only when valid, since an invalid
+    one (maybe a megabyte long) is shown, cut short, by the problem that refuses it."""
+    metadata = metadata if isinstance(metadata, dict) else {}
+    name, namespace = metadata.get("name"), metadata.get("namespace")
+    valid_name = isinstance(name, str) and bool(name) and not dns1123_subdomain_errors(name)
+    valid_namespace = isinstance(namespace, str) and bool(namespace) and not dns1123_label_errors(namespace)
+    return (namespace if valid_namespace else "default"), (name if valid_name else None)
+
+
 def _load_document(source: str, document: dict[str, Any]) -> LoadedProfile:
-    metadata = document.get("metadata") if isinstance(document.get("metadata"), dict) else {}
-    raw_name = metadata.get("name") if metadata else None
-    name = raw_name if isinstance(raw_name, str) and raw_name else None
-    namespace = str((metadata or {}).get("namespace") or "default")
+    namespace, name = _identity(document.get("metadata"))
     try:
         namespace, parsed_name, spec = parse_manifest(document)
     except ProfileError as error:
@@ -88,18 +96,20 @@ def _load_document(source: str, document: dict[str, Any]) -> LoadedProfile:
 def load_profiles(path: Path) -> list[LoadedProfile]:
     """Every BatchProfile in ``path`` (a YAML file, or a folder searched recursively), in file order.
 
-    A file that is not valid YAML yields one entry with the parse error.
+    A file that cannot be read, is not valid YAML or is past a bound of the YAML reader yields one
+    entry with the reason.
     Raises FileNotFoundError when ``path`` does not exist.
     """
     loaded: list[LoadedProfile] = []
     for file in _yaml_files(path):
         source = str(file)
         try:
-            documents = list(yaml.safe_load_all(file.read_text()))
-        except yaml.YAMLError as error:
-            message = f"invalid YAML: {error}"
+            documents = read_yaml_documents(file)
+        except YamlInputError as error:
             loaded.append(
-                LoadedProfile(source=source, namespace="default", name=None, error=message, problems=(message,))
+                LoadedProfile(
+                    source=source, namespace="default", name=None, error=error.problem, problems=(error.problem,)
+                )
             )
             continue
         for top in documents:

@@ -24,6 +24,7 @@ from batchpilot_operator.api.bounds import TokenRange as TokenRange
 from batchpilot_operator.api.bounds import WindowBounds as WindowBounds
 from batchpilot_operator.api.bounds import cel_rules
 from batchpilot_operator.api.canary import CANARY_RULE, Canary, canary_problems
+from batchpilot_operator.api.metadata import metadata_problems
 from batchpilot_operator.api.restart import RestartBudget
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.contract.window import (
@@ -516,16 +517,24 @@ def _parts_canary_problems(spec: dict[str, Any]) -> list[str]:
 
 
 def parse_manifest(manifest: Any) -> tuple[str, str, BatchProfileSpec]:
-    """Validate a whole BatchProfile manifest; return (namespace, name, spec)."""
+    """Validate a whole BatchProfile manifest; return (namespace, name, spec).
+
+    The metadata is checked as kube-apiserver checks it, and its problems and the spec's are
+    raised together in one :class:`ProfileError`.
+    """
     if not isinstance(manifest, dict):
         raise ProfileError("a BatchProfile must be a mapping")
     if manifest.get("apiVersion") != API_VERSION or manifest.get("kind") != KIND:
         raise ProfileError(
             f"apiVersion/kind must be {API_VERSION}/{KIND}, got {manifest.get('apiVersion')}/{manifest.get('kind')}"
         )
-    metadata = manifest.get("metadata") or {}
-    name = metadata.get("name")
-    if not isinstance(name, str) or not name:
-        raise ProfileError("metadata.name: required")
-    namespace = metadata.get("namespace") or "default"
-    return namespace, name, parse_spec(manifest.get("spec"))
+    metadata: Any = manifest.get("metadata")
+    problems = metadata_problems(metadata)
+    try:
+        spec = parse_spec(manifest.get("spec"))
+    except ProfileError as error:
+        problems.extend(error.problems)
+    if problems:
+        raise ProfileError(problems)
+    # metadata_problems passed: a mapping with a valid name, and a namespace that is a label or empty.
+    return metadata.get("namespace") or "default", metadata["name"], spec

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from batchpilot_operator.api.profile import BatchProfileSpec, LatencyMetric, ProfileError, parse_manifest, parse_spec
+from batchpilot_operator.api.yaml_input import read_yaml_documents
 from batchpilot_operator.sim.controllers import (
     LARGE_FIXED_WINDOW,
     AdaptiveController,
@@ -56,8 +55,11 @@ def default_spec(slo_p99_ms: float = 1000.0, latency_metric: str = "ttft") -> Ba
 
 
 def load_profile_spec(path: Path) -> BatchProfileSpec:
-    """The spec of the first BatchProfile in a YAML file (a whole manifest or a bare spec)."""
-    documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    """The spec of the first BatchProfile in a YAML file (a whole manifest or a bare spec).
+
+    Raises YamlInputError (a ValueError naming the file) when the file is refused as a whole.
+    """
+    documents = [d for d in read_yaml_documents(path) if d]
     if not documents:
         raise ProfileError(f"{path}: no YAML document")
     document = documents[0]
