@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.control.controller import Controller, PodRecord, Settings
+from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
+from batchpilot_operator.control.facts import RESTARTED_CANARY
+from batchpilot_operator.control.status import rfc3339
 from batchpilot_operator.io.observe import MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_operator.io.scrape import ScrapeSource
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
@@ -226,10 +228,11 @@ async def test_without_a_canary_in_progress_no_per_pod_query_runs(h: Harness) ->
     assert h.window("0") == h.window("1")
 
 
-async def test_an_operator_restarted_mid_canary_returns_the_canary_pods_and_says_so(h: Harness) -> None:
-    _canaries, others, tried = await start_canary(h)
-    h.source.model_latency_s = 0.3  # within the SLO: the new operator's policy holds
-    successor = Controller(
+def successor(h: Harness, spec: dict[str, Any]) -> Controller:
+    """A new operator on the same pods, API and clock, adopting the status its predecessor left: the
+    predecessor is dropped between two ticks, as a killed operator is (its status written ahead of its
+    pushes is all that is left of it)."""
+    controller = Controller(
         Settings(interval_override_s=1.0, default_token="secret", default_token_namespaces=frozenset({"ml"})),
         h.source,
         h.controller.admin,
@@ -237,18 +240,110 @@ async def test_an_operator_restarted_mid_canary_returns_the_canary_pods_and_says
         wall_clock=lambda: h.now,
         monotonic=lambda: h.now,
     )
-    h.controller = successor
+    h.controller = controller
     for pod_id in PODS:
         h.add_pod(pod_id)
-    successor.upsert_profile("ml", "chat", canary_spec(), generation=1, status=h.status())
+    controller.upsert_profile("ml", "chat", spec, generation=1, status=h.status())
+    return controller
+
+
+async def test_an_operator_restarted_mid_canary_returns_the_canary_pods_and_says_so(h: Harness) -> None:
+    _canaries, others, tried = await start_canary(h)
+    h.source.model_latency_s = 0.3  # within the SLO: the new operator's policy holds
+    successor(h, canary_spec())
     for _ in range(2):
         await h.tick()
     assert h.status()["canary"]["verdict"] == "rolledBack"
-    assert "restarted" in h.status()["canary"]["reason"]
+    assert h.status()["canary"]["reason"] == RESTARTED_CANARY
+    assert h.events("CanaryRolledBack") == [f"{tried.describe()} rolled back: {RESTARTED_CANARY}"]
     first = h.window(others[0])
     assert not first.fields_equal(tried)
     for pod_id in PODS:  # every pod on the baseline's fields, numbered past the canary
         assert h.window(pod_id) == first and first.generation > tried.generation
+
+
+async def test_a_canary_is_in_status_before_its_window_reaches_a_pod(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written ahead of the push, as a changed window is: an operator killed between the two leaves a
+    status whose successor ends the canary and keeps the cooldown it started."""
+    puts_when_written: list[int] = []
+    patch_status = h.sink.patch_status
+
+    async def recording(ref: ProfileRef, patch: Mapping[str, Any]) -> None:
+        if "canary" in patch and "canary" not in h.sink.status.get(ref.key, {}):
+            puts_when_written.append(sum(pod.puts for pod in h.fake.pods.values()))
+        await patch_status(ref, patch)
+
+    monkeypatch.setattr(h.sink, "patch_status", recording)
+    canaries, _others, tried = await start_canary(h)
+    assert puts_when_written == [0]
+    assert h.status()["policy"]["lastChangeTime"] == "1970-01-01T00:16:41.000000Z"  # t=1001
+    for pod_id in canaries:
+        assert h.window(pod_id) == tried
+
+
+async def test_an_operator_restarted_mid_cooldown_and_mid_canary_pushes_nothing_new_until_the_policy_would_have(
+    h: Harness,
+) -> None:
+    spec = make_spec_dict(tuning={"cooldownSeconds": 60, "canary": {"enabled": True, "share": 0.5, "intervals": 20}})
+    for pod_id in PODS:
+        h.add_pod(pod_id)
+    h.controller.upsert_profile("ml", "chat", spec, generation=1)
+    await h.tick()  # t=1001: 2 s against a 500 ms P99: a lower window, on the canary pods first
+    canaries, others = h.canary_ids(), [p for p in PODS if p not in h.canary_ids()]
+    tried = Window.model_validate(h.status()["canary"]["window"])
+    baseline = h.window(others[0])
+    assert (baseline.generation, tried.generation) == (1, 2)
+    seen = {pod_id: len(h.seen(pod_id)) for pod_id in PODS}
+    h.now = 1025.0  # killed 25 s into the 60 s cooldown, the canary still running
+    successor(h, spec)  # the model is still slow: only the cooldown holds the policy back
+
+    await h.tick()  # t=1026
+    assert h.events("CanaryRolledBack") == [f"{tried.describe()} rolled back: {RESTARTED_CANARY}"]
+    assert h.status()["canary"]["verdict"] == "rolledBack"
+    assert h.status()["lastDecision"]["reason"].endswith("but in cooldown for 35 s more; holding.")
+    await h.tick()  # t=1027: the baseline pods follow the renumbered baseline
+    h.now = 1059.0
+    await h.tick()  # t=1060: one second of cooldown left
+    assert h.status()["lastDecision"]["reason"].endswith("but in cooldown for 1 s more; holding.")
+    back = baseline.with_generation(3)  # the baseline's fields, numbered past the canary's generation
+    for pod_id in PODS:
+        assert h.seen(pod_id)[seen[pod_id] :] == [back]
+
+    await h.tick()  # t=1061: the cooldown is over: the policy lowers the window again, canary first
+    canary = h.status()["canary"]
+    assert canary["verdict"] == "running" and canary["startedAt"] == rfc3339(1061.0)
+    retried = Window.model_validate(canary["window"])
+    assert retried.generation == 4
+    for pod_id in canaries:
+        assert h.seen(pod_id)[seen[pod_id] :] == [back, retried]
+    for pod_id in others:
+        assert h.seen(pod_id)[seen[pod_id] :] == [back]
+    assert len(h.events("CanaryStarted")) == 2
+
+
+async def test_an_operator_restarted_mid_cooldown_keeps_the_tuned_window_and_sends_its_pods_nothing(
+    h: Harness,
+) -> None:
+    spec = make_spec_dict(tuning={"cooldownSeconds": 60})
+    for pod_id in PODS:
+        h.add_pod(pod_id)
+    h.controller.upsert_profile("ml", "chat", spec, generation=1)
+    await h.tick()  # t=1001: a lower window on every pod
+    tuned = h.window("0")
+    assert tuned.generation == 2 and tuned.target_batch_size < 8
+    puts = {pod_id: h.fake.pods[pod_id].puts for pod_id in PODS}
+    h.now = 1025.0
+    successor(h, spec)
+    for _ in range(3):
+        await h.tick()
+    assert h.status()["window"]["generation"] == 2
+    assert h.status()["lastDecision"]["reason"].endswith("but in cooldown for 33 s more; holding.")
+    assert h.status()["pods"]["synced"] == 4
+    for pod_id in PODS:  # read back, never written: each already held the window in force
+        assert h.fake.pods[pod_id].puts == puts[pod_id]
+        assert h.window(pod_id) == tuned
 
 
 async def test_through_the_scraping_source_a_slow_canary_is_rolled_back(h: Harness) -> None:

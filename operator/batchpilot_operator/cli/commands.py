@@ -39,7 +39,9 @@ def _register_local(subparsers: Any) -> None:
     parser.add_argument("--query-timeout", type=float, default=3.0,
                         help="deadline of one metrics round (the Prometheus queries, or one /metrics scrape), s")  # fmt: skip
     parser.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
-    parser.add_argument("--status-file", type=Path, help="write every profile's status here (JSON) after each tick")
+    parser.add_argument("--status-file", type=Path,
+                        help="keep every profile's status here (JSON), written after each tick; read back at "
+                        "start, so that a restart resumes each window, cooldown and canary")  # fmt: skip
     parser.add_argument("--metrics-port", type=int, default=0, help="serve the operator's /metrics here (0: off)")
     parser.add_argument("--output", choices=("text", "json"), default="text",
                         help="decisions as text lines, or one JSON object per line (for programs)")  # fmt: skip

@@ -6,7 +6,8 @@ progress, one extra query for all of them, none when no canary runs), then per d
 :meth:`Canaries.evaluate` before its policy (while a canary runs the policy holds: its observations mix
 both windows), :meth:`Canaries.screen` and :meth:`Canaries.start` on a changed window, and
 :meth:`Canaries.assignments` when it pushes; :meth:`Canaries.drop_unwanted` ends a canary whose spec no
-longer wants one, whatever the mode. The rule itself is pure, in
+longer wants one, whatever the mode. A canary an earlier operator left running is ended when its profile
+is adopted (:meth:`Canaries.adopt`) and reported at its first decision (:meth:`Canaries.report_restart`). The rule itself is pure, in
 :mod:`batchpilot_operator.tuning.canary`.
 
 Invariants: ``record.loop.window`` stays the window of the baseline pods while a canary runs (so Synced
@@ -21,10 +22,11 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from batchpilot_operator.api.canary import CanaryStatus
 from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, TuningMode
+from batchpilot_operator.control.facts import ended_by_restart
 from batchpilot_operator.control.records import PodRecord, ProfileRecord
 from batchpilot_operator.control.status import rfc3339
 from batchpilot_operator.io.observe import ModelKey, ModelMetrics, to_observations
@@ -161,6 +163,26 @@ class Canaries:
         )  # fmt: skip
         self._queue_event(record, "Normal", "CanaryStarted", f"{reason}: {_pods_text(chosen)}")
         return True
+
+    def adopt(self, record: ProfileRecord, status: Mapping[str, Any] | None) -> None:
+        """A profile adopted with the status an earlier operator wrote: a canary it left running ends here,
+        rolled back (see :func:`~batchpilot_operator.control.facts.ended_by_restart`); its Event waits for
+        :meth:`report_restart`, as Events are posted from the loop."""
+        ended = ended_by_restart(status)
+        if ended is None:
+            return
+        record.canary.last = ended
+        record.canary.restart_unreported = True
+
+    def report_restart(self, record: ProfileRecord) -> None:
+        """The Event of a canary :meth:`adopt` ended, once."""
+        last = record.canary.last
+        if not record.canary.restart_unreported or last is None:
+            return
+        record.canary.restart_unreported = False
+        message = f"{last.window.describe()} rolled back: {last.reason}"
+        self._queue_event(record, "Warning", "CanaryRolledBack", message)
+        log.info("canary of %s rolled back: %s", record.ref.key, last.reason)
 
     def drop_unwanted(self, record: ProfileRecord) -> None:
         """End a canary whose spec no longer wants one (switched off, another mode or engine). The canary pods

@@ -11,9 +11,10 @@ loop for all profiles:
 2. collect every due model's metrics from the source in one call;
 3. decide per profile and mode (adaptive: the policy; recommend: the policy,
    reported only; static: the spec's window); a window that changed goes to
-   status at once, with the policy's memory that chose it (written ahead of the
-   push, so that an operator killed before step 5 leaves a status its successor
-   continues from: one more patch per window change, none per tick);
+   status at once, with the policy's memory that chose it and the canary that
+   tries it (written ahead of the push, so that an operator killed before step 5
+   leaves a status its successor continues from: one more patch per window
+   change, none per tick);
 4. sync every ready pod of the due profiles (and of profiles with a pending
    push) to the window in force, concurrently;
 5. build each profile's status, patch it when it changed, post Events, update
@@ -179,8 +180,12 @@ class Controller:
         if record is None:
             record = ProfileRecord(ref=ref, generation=generation, spec=parsed, error=error)
             record.status.written = dict(status or {})
+            # Adopted from an earlier operator's status: its window in force (and generation), its policy's
+            # memory (the cooldown included), and the end of any canary it left running.
             record.loop.window = window_from_status(status)
+            record.loop.adopted_generation = record.loop.window.generation if record.loop.window else None
             record.memory.policy_state = self._policy_from_status(ref, status, parsed, generation)
+            self.canaries.adopt(record, status)
         else:
             old_spec = record.spec
             record.ref, record.generation, record.spec, record.error = ref, generation, parsed, error
@@ -339,6 +344,7 @@ class Controller:
 
         # 3. Decide.
         windows_before = {r.ref.key: r.loop.window for r in due}
+        canaries_before = {r.ref.key: r.canary.run for r in due}
         for record in due:
             try:
                 self._decide(record, metrics, report.metrics_error, now_s, report)
@@ -348,9 +354,15 @@ class Controller:
                     UNKNOWN, "DecisionFailed", f"{type(error).__name__}: {error}"
                 )
         report.evaluated = len(due)
-        changed = [r for r in due if r.loop.window is not None and r.loop.window != windows_before[r.ref.key]]
+        # A canary that starts is written ahead of its push too: a successor ends it and keeps the cooldown.
+        changed = [
+            r
+            for r in due
+            if (r.loop.window is not None and r.loop.window != windows_before[r.ref.key])
+            or (r.canary.run is not None and canaries_before[r.ref.key] is None)
+        ]
         if changed:
-            await self._write_statuses(changed, now_s, report, only=("window", "policy"))
+            await self._write_statuses(changed, now_s, report, only=("window", "policy", "canary"))
 
         # 4. Push (due profiles, and any with a pending push: new profiles, spec changes, new pods).
         to_sync = {r.ref.key: r for r in due}
@@ -430,6 +442,7 @@ class Controller:
             latency_metric=latency_metric,
         )
         self._ensure_window(record)
+        self.canaries.report_restart(record)
         self.canaries.drop_unwanted(record)
         window = record.loop.window
         if window is None:

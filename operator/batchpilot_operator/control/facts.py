@@ -22,24 +22,42 @@ def pods_window(record: ProfileRecord) -> Window | None:
     return None
 
 
-def canary_status(record: ProfileRecord) -> CanaryStatus | None:
-    """status.canary: the last canary in memory, else the one an earlier operator wrote. A canary that was
-    running then is reported rolled back: the loop put the window in force (the baseline's) on every pod,
-    past the canary's generation, when the canary pods answered it with a conflict."""
-    if record.canary.last is not None:
-        return record.canary.last
-    written = record.status.written.get("canary")
+RESTARTED_CANARY = (
+    "the operator restarted during this canary (its per-pod figures went with it): its pods are sent the "
+    "window in force"
+)
+
+
+def _written_canary(status: Mapping[str, object] | None) -> CanaryStatus | None:
+    """status.canary as written, None when there is none or it does not validate."""
+    written = status.get("canary") if status else None
     if not isinstance(written, Mapping):
         return None
     try:
-        old = CanaryStatus.model_validate(written)
+        return CanaryStatus.model_validate(written)
     except ValueError:
         return None
-    if old.verdict != "running":
-        return old
-    return old.model_copy(
-        update={"verdict": "rolledBack", "reason": "the operator restarted during this canary; its pods went back"}
-    )
+
+
+def ended_by_restart(status: Mapping[str, object] | None) -> CanaryStatus | None:
+    """The canary an earlier operator left running in ``status`` (status.canary, verdict running), reported
+    rolled back; None when there is none (or it had ended).
+
+    A restart does not resume it: what judges a canary (its pods' rate windows, the intervals without
+    data) was the earlier operator's memory. The loop puts the window in force (the baseline's) on every
+    pod, past the canary's generation, when the canary pods answer it with a conflict."""
+    old = _written_canary(status)
+    if old is None or old.verdict != "running":
+        return None
+    return old.model_copy(update={"verdict": "rolledBack", "reason": RESTARTED_CANARY})
+
+
+def canary_status(record: ProfileRecord) -> CanaryStatus | None:
+    """status.canary: the last canary in memory, else the one an earlier operator wrote (one it left running
+    is reported rolled back, see :func:`ended_by_restart`)."""
+    if record.canary.last is not None:
+        return record.canary.last
+    return ended_by_restart(record.status.written) or _written_canary(record.status.written)
 
 
 def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFacts:

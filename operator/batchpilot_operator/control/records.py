@@ -102,6 +102,9 @@ class LoopState:
     window: Window | None = None  # the window in force: pushed, or to be pushed
     last_slot: int | None = None  # the interval slot, floor(tick start / interval), last evaluated
     push_pending: bool = True  # push on the next tick, due or not: a new profile, a new spec, a new window
+    # The generation of the window read back from status when the profile was adopted (an earlier operator
+    # put it in force): a pod not seen yet is read before it is written, since it most likely holds it.
+    adopted_generation: int | None = None
 
 
 @dataclass
@@ -136,10 +139,13 @@ class DecisionMemory:
 @dataclass
 class CanaryBook:
     """The canary loop's (control/canary.py) memory of a profile: the run in progress, the last outcome as
-    status.canary shows it, and a window rolled back, which is not tried again before ``rejected_until_s``."""
+    status.canary shows it, and a window rolled back, which is not tried again before ``rejected_until_s``.
+    ``restart_unreported``: ``last`` is a canary an earlier operator left running, ended on adoption, whose
+    Event the next decision posts."""
 
     run: CanaryRun | None = None
     last: CanaryStatus | None = None
+    restart_unreported: bool = False
     rejected: Window | None = None
     rejected_until_s: float = 0.0
 

@@ -75,8 +75,11 @@ class Syncer:
             target = self.target(record, pod, token)
             if target is None:
                 continue
-            # Behind (or never seen): PUT at once. In sync: read it back (a restart shows up here).
-            jobs.append(self.admin.sync(target, window, lanes, verify=in_sync))
+            # Behind (or never seen): PUT at once. In sync: read it back (a restart shows up here). Never seen
+            # but the window is the one an earlier operator put in force: read first, as the pod most likely
+            # holds it already (a GET instead of a PUT that would change nothing).
+            adopted = state is None and window.generation == record.loop.adopted_generation
+            jobs.append(self.admin.sync(target, window, lanes, verify=in_sync or adopted))
         return list(await asyncio.gather(*jobs)), not_sent
 
     async def repush(self, record: ProfileRecord, pods: Sequence[PodRecord], window: Window) -> list[PushResult]:

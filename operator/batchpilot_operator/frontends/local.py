@@ -3,8 +3,16 @@
 Profiles come from YAML files, runtimes from the command line, metrics from a
 Prometheus URL or, without one, straight from the runtimes' ``/metrics``. The
 very same :class:`Controller` runs: same policy, same pushes. Status lives in
-memory (and in ``--status-file`` when given, rewritten after every tick);
-every decision and every push failure is printed.
+memory (and in ``--status-file`` when given, rewritten after every tick and
+ahead of every push of a new window); every decision and every push failure is
+printed.
+
+The status file is what a cluster keeps in each BatchProfile's status, so a
+restart with the same file resumes as the cluster path does (see
+:func:`read_status_file` and :func:`add_profiles`): the window in force and its
+generation, the policy's memory (the cooldown included), and a canary left
+running ended and reported. Each entry is the profile's status plus ``spec``,
+the spec it was written for, standing in for ``metadata.generation``.
 """
 
 from __future__ import annotations
@@ -96,16 +104,62 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
     )
 
 
-class LocalSink:
-    """Status in memory (optionally mirrored to a JSON file); Events printed."""
+# The key of each status file entry that holds the spec its status was written for (not a status field).
+SPEC_KEY = "spec"
 
-    def __init__(self, out: TextIO = sys.stdout, status_file: Path | None = None) -> None:
+
+def read_status_file(path: Path | None) -> dict[str, dict[str, Any]]:
+    """The entries of ``--status-file`` by profile key; none when no file is given or it does not exist yet
+    (a first start).
+
+    A file that cannot be read, or is not a JSON object of objects, is a ``ValueError`` naming it, never a
+    fresh start: starting afresh would push every profile's starting window over its tuned one, forget
+    the cooldowns, and then overwrite the file. The file is only ever replaced whole (see
+    :meth:`LocalSink.write_file`), so a torn write by this command cannot cause it; to start afresh on
+    purpose, move the file away."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"--status-file {path}: cannot be read as JSON ({error}); move it away to start afresh"
+        ) from None
+    if not isinstance(data, dict) or not all(isinstance(entry, dict) for entry in data.values()):
+        raise ValueError(
+            f"--status-file {path}: not a status file (expected a JSON object of each profile's status by "
+            "namespace/name); move it away to start afresh"
+        )
+    return data
+
+
+class LocalSink:
+    """Status in memory (optionally mirrored to a JSON file, with each profile's spec); Events printed.
+
+    ``saved``: the status file's entries (:func:`read_status_file`), which the status starts from; entries
+    of profiles this run does not manage are written back as they were."""
+
+    def __init__(
+        self,
+        out: TextIO = sys.stdout,
+        status_file: Path | None = None,
+        saved: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.out = out
         self.status: dict[str, dict[str, Any]] = {}
+        self.specs: dict[str, Any] = {}  # profile key -> the spec its status was written for
+        for key, entry in (saved or {}).items():
+            self.status[key] = {k: v for k, v in entry.items() if k != SPEC_KEY}
+            if SPEC_KEY in entry:
+                self.specs[key] = entry[SPEC_KEY]
         self.status_file = status_file
 
     async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
         self.status[ref.key] = apply_merge_patch(self.status.get(ref.key), patch)
+        if "window" in patch or "policy" in patch or "canary" in patch:
+            # Written ahead of the push, as the cluster's status is: a kill before the tick ends leaves a
+            # file its successor continues from.
+            self.write_file()
 
     async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None:
         if reason.startswith("Decision"):
@@ -119,8 +173,10 @@ class LocalSink:
     def write_file(self) -> None:
         if self.status_file is None:
             return
+        entries = {key: {**status, **({SPEC_KEY: self.specs[key]} if key in self.specs else {})}
+                   for key, status in self.status.items()}  # fmt: skip
         tmp = self.status_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.status, indent=2, sort_keys=True))
+        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True))
         os.replace(tmp, self.status_file)
 
 
@@ -184,7 +240,8 @@ async def run_local(
     if not loaded:
         raise ValueError(f"--profiles {profiles_path}: no BatchProfile found")
     _check_engines(loaded, runtimes)
-    sink = LocalSink(out, status_file)
+    saved = read_status_file(status_file)
+    sink = LocalSink(out, status_file, saved)
     metrics = OperatorMetrics()
     metrics.serve(metrics_port, "127.0.0.1")
     source = _metrics_source(prometheus_url, interval_s, scrape_interval_s, query_timeout_s)
@@ -199,7 +256,7 @@ async def run_local(
         on_decision=print_decision(out, output),
     )
     _add_runtimes(controller, runtimes)
-    _add_profiles(controller, loaded, out)
+    add_profiles(controller, loaded, sink, out)
     out.write(
         f"{_now()} local mode: {len(loaded)} profile(s), {len(runtimes)} runtime(s), metrics from "
         f"{prometheus_url or 'the runtimes /metrics'}\n"
@@ -274,17 +331,56 @@ def _add_runtimes(controller: Controller, runtimes: Sequence[RuntimeSpec]) -> No
         )
 
 
-def _add_profiles(controller: Controller, loaded: Sequence[LoadedProfile], out: TextIO) -> None:
-    """Every profile, at generation 1; an invalid one is printed and still added (the controller keeps its error)."""
+def add_profiles(controller: Controller, loaded: Sequence[LoadedProfile], sink: LocalSink, out: TextIO) -> None:
+    """Every profile, adopted as the cluster path adopts a BatchProfile: with the status kept in the status
+    file (``sink.status``), at the generation it was written for. An invalid one is printed and still added
+    (the controller keeps its error).
+
+    A spec that differs from the one its status was written for takes the next generation, and is applied
+    as a change to that spec: the status is adopted with the old spec first, so the controller's rule for a
+    spec change under a running operator decides (a new spec.window is the new starting window; the
+    policy's memory carries over, see policy_memo.carry_over). A restart across an edit of the file ends
+    where an edit under a running operator would have. An entry without a spec (written before specs were
+    kept) counts as written for this spec."""
     for profile in loaded:
         if profile.error:
             out.write(f"{_now()} {profile.key} INVALID: {profile.error}\n")
-        controller.upsert_profile(
-            profile.namespace,
-            profile.name or "?",
-            profile.manifest.get("spec"),
-            generation=1,
-        )
+        namespace, name = profile.namespace, profile.name or "?"
+        key = f"{namespace}/{name}"
+        spec = _plain(profile.manifest.get("spec"))
+        status = sink.status.get(key)
+        if status is None:
+            controller.upsert_profile(namespace, name, spec, generation=1)
+        else:
+            generation = _saved_generation(status)
+            written_for = sink.specs.get(key, spec)
+            if written_for == spec:
+                controller.upsert_profile(namespace, name, spec, generation=generation, status=status)
+            else:
+                controller.upsert_profile(namespace, name, written_for, generation=generation, status=status)
+                controller.upsert_profile(namespace, name, spec, generation=generation + 1)
+                out.write(f"{_now()} {key} spec changed since the status file was written: generation "
+                          f"{generation + 1}\n")  # fmt: skip
+            out.write(f"{_now()} {key} resumed from the status file: {_resumed(controller, key)}\n")
+        sink.specs[key] = spec
+
+
+def _plain(spec: Any) -> Any:
+    """``spec`` as the status file holds it (JSON values), so that a spec read back compares equal."""
+    return json.loads(json.dumps(spec, default=str))
+
+
+def _saved_generation(status: Mapping[str, Any]) -> int:
+    """The generation the saved status was written for (1 in files from before local mode kept one)."""
+    generation = status.get("observedGeneration")
+    return generation if type(generation) is int and generation >= 1 else 1
+
+
+def _resumed(controller: Controller, key: str) -> str:
+    """What a resumed profile starts from, for the printed line."""
+    record = controller.profiles[key]
+    window = record.loop.window
+    return window.describe() if window is not None else "no window in force"
 
 
 async def _tick_until(controller: Controller, sink: LocalSink, stop: asyncio.Event, deadline: float | None) -> None:
