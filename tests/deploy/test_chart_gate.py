@@ -240,3 +240,41 @@ def test_an_engine_of_another_kind_gets_no_probe_unless_given() -> None:
     assert "livenessProbe" not in _containers(_pod(docs, "qwen"))["engine"]
     with pytest.raises(AssertionError, match="livenessProbe"):
         helm_template(GATED, sets=["models[1].engine.livenessProbe=true"])
+
+
+def _llamacpp_values(tmp_path: Path, args: list[str]) -> Path:
+    """gate-values.yaml with its second model on llama-server (values in a file: --set would make numbers)."""
+    import yaml
+
+    values = yaml.safe_load(GATED.read_text())
+    values["models"][1]["engine"] = {
+        "kind": "llamacpp", "image": "ghcr.io/ggml-org/llama.cpp:server", "maxRunning": 16, "port": 8000, "args": args,
+    }  # fmt: skip
+    values["models"][1]["profile"]["tuning"]["bounds"]["hardCap"] = {"min": 4, "max": 16}
+    values["models"][1]["profile"]["window"] = {"targetBatchSize": 4, "hardCap": 8, "maxWaitMs": 0}
+    path = tmp_path / "llamacpp-values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_llama_server_runs_behind_the_gate_with_its_flags_as_separate_args(tmp_path: Path) -> None:
+    """llama-server (models[].engine.kind llamacpp, an image the user names) listens on loopback, answers to the
+    model's name, has the gate's ceiling as its slots and serves its llamacpp:* metrics; its parser takes no
+    --flag=N (common/arg.cpp), so each value is the next arg."""
+    docs = helm_template(GATED, _llamacpp_values(tmp_path, ["-m", "/models/qwen/model.gguf", "-c", "32768"]))
+    containers = _containers(_pod(docs, "qwen"))
+    assert containers["engine"]["image"] == "ghcr.io/ggml-org/llama.cpp:server"
+    assert containers["engine"]["args"] == [
+        "--host", "127.0.0.1", "--port", "8000", "--alias", "qwen", "--parallel", "16", "--metrics",
+        "-m", "/models/qwen/model.gguf", "-c", "32768",
+    ]  # fmt: skip
+    assert "command" not in containers["engine"]
+    config = _gate_config(containers["gate"])
+    assert config.upstream == "http://127.0.0.1:8000"
+    assert config.limits.max_hard_cap == 16
+
+
+@pytest.mark.parametrize("flag", ["--parallel", "-np", "--alias", "--port"])
+def test_a_llamacpp_flag_the_chart_sets_is_refused_in_the_users_args(tmp_path: Path, flag: str) -> None:
+    with pytest.raises(AssertionError, match=f"{flag} is the chart's for a llamacpp engine"):
+        helm_template(GATED, _llamacpp_values(tmp_path, [flag, "4"]))

@@ -31,7 +31,7 @@ def test_engine_is_batchpilot_by_default_and_needs_admin_only_there() -> None:
 
 
 def test_an_unknown_engine_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown engine 'tgi' \(known: batchpilot, vllm, sglang\)"):
+    with pytest.raises(ValueError, match=r"unknown engine 'tgi' \(known: batchpilot, vllm, sglang, llamacpp\)"):
         parse_runtime("model=m,engine=tgi,url=http://h:1")
 
 

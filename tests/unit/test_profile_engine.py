@@ -17,7 +17,12 @@ CRD = custom_resource_definition()
 
 @pytest.mark.parametrize(
     ("engine", "mode"),
-    [("batchpilot", TuningMode.ADAPTIVE), ("sglang", TuningMode.ADAPTIVE), ("vllm", TuningMode.RECOMMEND)],
+    [
+        ("batchpilot", TuningMode.ADAPTIVE),
+        ("sglang", TuningMode.ADAPTIVE),
+        ("vllm", TuningMode.RECOMMEND),
+        ("llamacpp", TuningMode.RECOMMEND),
+    ],
 )
 def test_an_unset_mode_is_the_engines_default(engine: str, mode: TuningMode) -> None:
     spec = parse_spec(make_spec_dict(engine=engine, tuning=None))
@@ -50,6 +55,19 @@ def test_a_vllm_profile_that_would_push_is_refused_by_both(mode: str) -> None:
 def test_a_vllm_profile_that_recommends_is_accepted_by_both() -> None:
     spec = make_spec_dict(engine="vllm", tuning={"mode": "recommend"})
     assert parse_spec(spec).mode == TuningMode.RECOMMEND
+    assert validate_object(CRD, make_manifest(spec))[1] == []
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "static", "recommend", "restart"])
+def test_a_llamacpp_profile_takes_every_mode_its_gate_and_restarts_allow(mode: str) -> None:
+    """llamacpp's cap and wait move live through the gate in front of it; its flags by restarts."""
+    restart = {"workload": {"kind": "Deployment", "name": "smol", "container": "engine"}}
+    spec = make_spec_dict(
+        engine="llamacpp", tuning={"mode": mode}, **({"restart": restart} if mode == "restart" else {})
+    )
+    parsed = parse_spec(spec)
+    assert parsed.engine == EngineKind.LLAMACPP
+    assert parsed.mode == TuningMode(mode)
     assert validate_object(CRD, make_manifest(spec))[1] == []
 
 

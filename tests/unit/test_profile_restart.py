@@ -50,8 +50,10 @@ def test_restart_mode_without_a_budget_is_refused_by_both() -> None:
 
 def test_restart_mode_on_the_batchpilot_runtime_is_refused_by_both() -> None:
     text, errors = both_errors(restart_spec("batchpilot"))
-    assert "tuning.mode restart is for engine vllm or sglang" in text
-    assert errors == ["spec: tuning.mode restart is for engine vllm or sglang (batchpilot takes a window live)"]
+    assert "tuning.mode restart is for engine vllm, sglang or llamacpp" in text
+    assert errors == [
+        "spec: tuning.mode restart is for engine vllm, sglang or llamacpp (batchpilot takes a window live)"
+    ]
 
 
 def test_allowed_hours_must_be_a_window() -> None:

@@ -12,6 +12,9 @@
 {{- list "--host=127.0.0.1" (printf "--port=%d" $port) (printf "--served-model-name=%s" $modelName) (printf "--max-num-seqs=%d" (int $engine.maxRunning)) | toJson -}}
 {{- else if eq $engine.kind "sglang" -}}
 {{- list "--host=127.0.0.1" (printf "--port=%d" $port) (printf "--served-model-name=%s" $modelName) (printf "--max-running-requests=%d" (int $engine.maxRunning)) | toJson -}}
+{{- else if eq $engine.kind "llamacpp" -}}
+{{- /* llama-server's parser takes no --flag=N: each value is the next arg. --metrics: its llamacpp:* series. */ -}}
+{{- list "--host" "127.0.0.1" "--port" (printf "%d" $port) "--alias" $modelName "--parallel" (printf "%d" (int $engine.maxRunning)) "--metrics" | toJson -}}
 {{- else -}}
 {{- list | toJson -}}
 {{- end -}}
@@ -26,7 +29,12 @@
 {{- $where := printf "models[%d].engine" $index -}}
 {{- $chartFlags := list -}}
 {{- range (include "batchpilot.engine.chartArgs" (list $model "m") | fromJsonArray) -}}
+{{- if hasPrefix "-" . -}}
 {{- $chartFlags = append $chartFlags (regexReplaceAll "=.*$" . "") -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $engine.kind "llamacpp" -}}
+{{- $chartFlags = concat $chartFlags (list "-np" "--alias" "-a") -}}
 {{- end -}}
 {{- range $engine.args -}}
 {{- $flag := regexReplaceAll "=.*$" . "" -}}

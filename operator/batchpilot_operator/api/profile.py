@@ -70,15 +70,18 @@ class EngineKind(StrEnum):
     BATCHPILOT = "batchpilot"
     VLLM = "vllm"
     SGLANG = "sglang"
+    LLAMACPP = "llamacpp"  # llama.cpp's llama-server behind batchpilot-gate
 
 
-# Engines whose batching knobs are start-up flags only: a new window needs a restart of the pod.
-RESTART_ONLY_ENGINES = frozenset({EngineKind.VLLM})
+# Engines a profile only recommends for unless it asks for more: vLLM, whose knobs need a restart, and
+# llama-server, whose --parallel and --batch-size need one too (its cap and wait can still move live
+# through the gate in front of it, in tuning.mode adaptive or static).
+RECOMMEND_BY_DEFAULT_ENGINES = frozenset({EngineKind.VLLM, EngineKind.LLAMACPP})
 
 
 def default_mode(engine: EngineKind) -> TuningMode:
     """The mode of a profile that names none: recommend where applying a window costs a restart."""
-    return TuningMode.RECOMMEND if engine in RESTART_ONLY_ENGINES else TuningMode.ADAPTIVE
+    return TuningMode.RECOMMEND if engine in RECOMMEND_BY_DEFAULT_ENGINES else TuningMode.ADAPTIVE
 
 
 class LabelSelectorRequirement(CamelModel):
@@ -191,9 +194,9 @@ class Tuning(CamelModel):
         default=None,
         description=(
             "adaptive: retune and push; recommend: compute and report in status but never push; "
-            "static: push spec.window as it is; restart (vllm, sglang): patch the workload's args with "
-            "the recommendation and let it roll, within spec.restart's budget. Unset: adaptive, or "
-            "recommend for an engine that takes a window only at start-up (vllm); never restart."
+            "static: push spec.window as it is; restart (vllm, sglang, llamacpp): patch the workload's args "
+            "with the recommendation and let it roll, within spec.restart's budget. Unset: adaptive, or "
+            "recommend for vllm and llamacpp (their knobs are start-up flags); never restart."
         ),
     )
     interval_seconds: int = Field(
@@ -274,7 +277,7 @@ class RuntimeEndpoint(CamelModel):
 # vLLM takes max_num_seqs and max_num_batched_tokens only as start-up flags: a vLLM profile recommends, or
 # restarts its workload with new flags under spec.restart's budget.
 VLLM_MODE_MESSAGE = "engine vllm supports only tuning.mode recommend or restart (vLLM takes a window only at start-up)"
-RESTART_ENGINE_MESSAGE = "tuning.mode restart is for engine vllm or sglang (batchpilot takes a window live)"
+RESTART_ENGINE_MESSAGE = "tuning.mode restart is for engine vllm, sglang or llamacpp (batchpilot takes a window live)"
 RESTART_BUDGET_MESSAGE = "tuning.mode restart needs spec.restart (the workload and its restart budget)"
 
 _BATCH_PROFILE_RULES: list[JsonValue] = [
@@ -336,7 +339,8 @@ class BatchProfileSpec(CamelModel):
         max_length=253,
         description=(
             "Model name, as the engine reports it in its metrics: the 'model' label of batchpilot's, "
-            "the 'model_name' label (the served model name) of vLLM's and SGLang's."
+            "the 'model_name' label (the served model name) of vLLM's and SGLang's; for llamacpp the gate's "
+            "--model-name (llama-server's own metrics carry no label: the scrape gives them this one)."
         ),
     )
     engine: EngineKind = Field(
@@ -344,8 +348,12 @@ class BatchProfileSpec(CamelModel):
         description=(
             "The serving engine of the selected pods: batchpilot (this project's runtime; windows applied "
             "live through its admin API), vllm (metrics read as vllm:*; windows recommended, or applied by "
-            "restarting the workload in tuning.mode restart, since vLLM takes them only at start-up) or sglang (metrics read as sglang:*; the cap and the prefill "
-            "budget applied live through POST /set_internal_state where the server accepts them)."
+            "restarting the workload in tuning.mode restart, since vLLM takes them only at start-up), sglang "
+            "(metrics read as sglang:*; the cap and the prefill budget applied live through POST "
+            "/set_internal_state where the server accepts them) or llamacpp (llama.cpp's llama-server behind "
+            "batchpilot-gate: llamacpp:* and the gate's latency read; recommended by default, the cap and wait "
+            "pushed to the gate's admin API in adaptive or static mode, --parallel and --batch-size written "
+            "into the workload's args in tuning.mode restart)."
         ),
     )
     selector: LabelSelector = Field(

@@ -93,6 +93,10 @@ from batchpilot_runtime.contract.window import Window
 log = logging.getLogger("batchpilot.operator")
 
 
+# Engines whose pods answer the admin API: batchpilot's runtime, and the gate in front of llama-server.
+ADMIN_API_ENGINES = frozenset({EngineKind.BATCHPILOT, EngineKind.LLAMACPP})
+
+
 class Controller:
     def __init__(
         self,
@@ -393,7 +397,9 @@ class Controller:
             urls = [
                 url
                 for p in self.pods_of(record)
-                if p.ready and (url := metrics_url(p, record.spec)) is not None  # type: ignore[arg-type]
+                if p.ready
+                for url in (metrics_url(p, record.spec), p.engine_metrics_url)  # type: ignore[arg-type]
+                if url is not None
             ]
             key = (record.ref.namespace if not self.match_by_model else "", record.spec.model)  # type: ignore[union-attr]
             targets.setdefault(key, []).extend(urls)
@@ -534,8 +540,8 @@ class Controller:
             record.loop.push_pending = False
             return
         if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
-            if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine == EngineKind.BATCHPILOT:
-                # Only batchpilot's runtime answers GET /admin/window: other engines' pods are not read.
+            if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine in ADMIN_API_ENGINES:
+                # batchpilot's runtime and the gate answer GET /admin/window: other engines' pods are not read.
                 await self.syncer.read_pods(record, self.pods_of(record))
             record.loop.push_pending = False
             return

@@ -85,6 +85,7 @@ class PodRecord:
     ready: bool = False
     admin_url: str | None = None
     metrics_url: str | None = None
+    engine_metrics_url: str | None = None  # an engine behind the gate (llama-server): its own /metrics
     model: str | None = None
     token: str | None = None
     uid: str | None = None

@@ -21,10 +21,12 @@ from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, Tuning
 from batchpilot_operator.api.restart import RestartBudget, RestartStatus
 from batchpilot_operator.api.status import PodsStatus
 from batchpilot_operator.control.conditions import ready_fact
-from batchpilot_operator.control.engine_knobs import sglang_server_args, vllm_args
+from batchpilot_operator.control.engine_knobs import llamacpp_flags, sglang_server_args, vllm_args
 from batchpilot_operator.control.records import ProfileRecord, numbered
 from batchpilot_operator.control.restart_plan import (
     DAY_S,
+    LLAMACPP_ALIASES,
+    LLAMACPP_FLAGS,
     SGLANG_FLAGS,
     VLLM_FLAGS,
     Budget,
@@ -34,6 +36,7 @@ from batchpilot_operator.control.restart_plan import (
     Watch,
     decide,
     judge,
+    llamacpp_rewrite_args,
     next_allowed,
     read_flags,
     rewrite_args,
@@ -69,12 +72,30 @@ def engine_flags(engine: EngineKind, window: Window) -> dict[str, int]:
     if engine == EngineKind.SGLANG:
         server_args = sglang_server_args(window)
         return {f"--{key.replace('_', '-')}": value for key, value in server_args.items()}
+    if engine == EngineKind.LLAMACPP:
+        return llamacpp_flags(window)
     return vllm_args(window)
+
+
+def window_flags(engine: EngineKind) -> tuple[tuple[str, str], dict[str, str]]:
+    """The engine's (cap flag, budget flag) and the short names its parser takes for flags."""
+    if engine == EngineKind.SGLANG:
+        return SGLANG_FLAGS, {}
+    if engine == EngineKind.LLAMACPP:
+        return LLAMACPP_FLAGS, LLAMACPP_ALIASES
+    return VLLM_FLAGS, {}
+
+
+def engine_args(engine: EngineKind, args: Sequence[str], flags: Mapping[str, int]) -> list[str]:
+    """The container's ``args`` carrying ``flags``; ValueError when the engine's args cannot take them."""
+    if engine == EngineKind.LLAMACPP:
+        return llamacpp_rewrite_args(args, flags)
+    return rewrite_args(args, flags)
 
 
 def running_window(spec: BatchProfileSpec, running: Mapping[str, int], engine: EngineKind) -> Window | None:
     """spec.window with the cap and prefill budget the workload's args carry; None when they make no window."""
-    cap_flag, budget_flag = SGLANG_FLAGS if engine == EngineKind.SGLANG else VLLM_FLAGS
+    (cap_flag, budget_flag), _ = window_flags(engine)
     fields = spec.window.model_dump()
     if cap_flag in running:
         fields["hard_cap"] = running[cap_flag]
@@ -187,11 +208,11 @@ class RestartPath:
         if container is None:
             self._fail(record, book, "ContainerNotFound", f"{ref} has no container {target.container!r}")
             return None
-        flags = SGLANG_FLAGS if spec.engine == EngineKind.SGLANG else VLLM_FLAGS
+        flags, aliases = window_flags(spec.engine)
         args = [str(a) for a in container.get("args") or []]
         try:
-            running = read_flags(args, flags)
-            in_command = read_flags([str(c) for c in container.get("command") or []], flags)
+            running = read_flags(args, flags, aliases)
+            in_command = read_flags([str(c) for c in container.get("command") or []], flags, aliases)
         except ValueError as error:
             self._fail(record, book, "BadArgs", f"{ref} container {target.container}: {error}")
             return None
@@ -314,8 +335,13 @@ class RestartPath:
         assert record.spec is not None and record.spec.restart is not None and self.workloads is not None
         target = record.spec.restart.workload
         try:
+            new_args = engine_args(record.spec.engine, args, flags)
+        except ValueError as error:
+            self._fail(record, book, "BadArgs", f"{ref} container {target.container}: {error}")
+            return False
+        try:
             await self.workloads.apply_container_args(
-                record.ref.namespace, target.kind, target.name, target.container, rewrite_args(args, flags)
+                record.ref.namespace, target.kind, target.name, target.container, new_args
             )
         except Exception as error:
             self._fail(record, book, failure, f"{ref}: applying {_flags_text(flags)} failed: {error}")

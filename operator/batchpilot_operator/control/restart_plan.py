@@ -31,6 +31,22 @@ DAY_S = 86_400.0
 # The flags that carry a window, per engine (vLLM: vllm/engine/arg_utils.py; SGLang: sglang/srt/server_args.py).
 VLLM_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens")
 SGLANG_FLAGS = ("--max-running-requests", "--chunked-prefill-size")
+# llama.cpp's llama-server (common/arg.cpp, tools/server/server.cpp): the cap is its slot count, the per-step
+# budget the tokens of one llama_decode() call (decodes first, then prompt chunks); both only at start-up.
+LLAMACPP_FLAGS = ("--parallel", "--batch-size")
+# Its parser takes each flag under a short name too (and no --flag=N form: a value is the next arg).
+LLAMACPP_ALIASES = {
+    "-np": "--parallel",
+    "-b": "--batch-size",
+    "-ub": "--ubatch-size",
+    "-c": "--ctx-size",
+    "-kvu": "--kv-unified",
+    "-no-kvu": "--no-kv-unified",
+}
+# server.cpp: --parallel -1 (its default, "auto") runs 4 slots over one unified KV cache.
+LLAMACPP_AUTO_SLOTS = 4
+# common/common.h: n_ubatch's default, the physical batch one llama_decode() call is computed in.
+LLAMACPP_DEFAULT_UBATCH = 512
 
 
 @dataclass(frozen=True)
@@ -216,18 +232,20 @@ def rolled_out(workload: Mapping[str, Any]) -> bool:
 # ---- container args -----------------------------------------------------------------------------------
 
 
-def _flag_name(arg: str) -> str:
-    """``--max_num_seqs=8`` -> ``--max-num-seqs``: vLLM's and SGLang's parsers take underscores for dashes."""
+def _flag_name(arg: str, aliases: Mapping[str, str] | None = None) -> str:
+    """``--max_num_seqs=8`` -> ``--max-num-seqs``: vLLM's, SGLang's and llama.cpp's parsers take underscores for
+    dashes; a short name in ``aliases`` (``-np``) -> its long one."""
     name = arg.partition("=")[0]
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+    name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+    return aliases.get(name, name) if aliases else name
 
 
-def read_flags(args: Sequence[str], flags: Sequence[str]) -> dict[str, int]:
+def read_flags(args: Sequence[str], flags: Sequence[str], aliases: Mapping[str, str] | None = None) -> dict[str, int]:
     """The integer value of each of ``flags`` in ``args`` (``--flag N`` or ``--flag=N``; the last one wins,
-    as with argparse). A flag whose value is not an integer raises ValueError naming it."""
+    as with argparse), by its long name. A flag whose value is not an integer raises ValueError naming it."""
     found: dict[str, int] = {}
     for index, arg in enumerate(args):
-        name = _flag_name(arg)
+        name = _flag_name(arg, aliases)
         if name not in flags:
             continue
         if "=" in arg:
@@ -243,16 +261,18 @@ def read_flags(args: Sequence[str], flags: Sequence[str]) -> dict[str, int]:
     return found
 
 
-def rewrite_args(args: Sequence[str], settings: Mapping[str, int]) -> list[str]:
+def rewrite_args(
+    args: Sequence[str], settings: Mapping[str, int], aliases: Mapping[str, str] | None = None
+) -> list[str]:
     """``args`` with each flag of ``settings`` set to its value: in place and in its own form (``--flag N`` or
-    ``--flag=N``) where present, any repeat of it dropped, appended as ``--flag N`` where absent. Every other
-    arg stays as it was, in order."""
+    ``--flag=N``, a short name of ``aliases`` kept) where present, any repeat of it dropped, appended as
+    ``--flag N`` where absent. Every other arg stays as it was, in order."""
     out: list[str] = []
     done: set[str] = set()
     index = 0
     while index < len(args):
         arg = args[index]
-        name = _flag_name(arg)
+        name = _flag_name(arg, aliases)
         if name not in settings:
             out.append(arg)
             index += 1
@@ -267,3 +287,40 @@ def rewrite_args(args: Sequence[str], settings: Mapping[str, int]) -> list[str]:
         if name not in done:
             out.extend([name, str(value)])
     return out
+
+
+def llamacpp_rewrite_args(args: Sequence[str], wanted: Mapping[str, int]) -> list[str]:
+    """llama-server's ``args`` carrying ``wanted`` (``--parallel``, ``--batch-size``), each slot keeping its context.
+
+    - ``--parallel N``: without a unified KV cache llama-server splits ``--ctx-size`` evenly across its slots,
+      so ``--ctx-size`` becomes (context per slot now) x N. With ``--kv-unified`` every slot may use the whole
+      pool and ``--ctx-size`` stays. Args without ``--parallel`` (or ``-1``) run "auto": 4 slots over a unified
+      cache, which an explicit ``--parallel`` turns off, so ``--kv-unified`` is added to keep it.
+    - ``--batch-size B``: ``--ubatch-size`` (512 unless set) is lowered to B where it is larger, since one
+      ubatch cannot exceed the batch.
+
+    ValueError when the slots' context cannot be kept: a split cache whose ``--ctx-size`` is unset or 0 (the
+    model's own length, which the args do not say).
+    """
+    flags = ("--parallel", "--ctx-size", "--ubatch-size")
+    running = read_flags(args, flags, LLAMACPP_ALIASES)
+    settings = dict(wanted)
+    auto = running.get("--parallel", -1) < 0
+    kv_flags = [n for a in args if (n := _flag_name(a, LLAMACPP_ALIASES)) in ("--kv-unified", "--no-kv-unified")]
+    unified = kv_flags[-1] == "--kv-unified" if kv_flags else auto  # the last one wins, as in its parser
+    keep_unified = auto and not kv_flags and "--parallel" in wanted
+    if "--parallel" in wanted and not unified:
+        ctx = running.get("--ctx-size", 0)
+        if ctx <= 0:
+            raise ValueError(
+                "--ctx-size is unset or 0 (the model's own length) with a KV cache split across --parallel slots: "
+                "set --ctx-size in the args (or --kv-unified) so that each slot's context can be kept"
+            )
+        slots = running.get("--parallel", LLAMACPP_AUTO_SLOTS)
+        settings["--ctx-size"] = ctx // slots * wanted["--parallel"]
+    if "--batch-size" in wanted:
+        ubatch = running.get("--ubatch-size", LLAMACPP_DEFAULT_UBATCH)
+        if ubatch > wanted["--batch-size"] or "--ubatch-size" in running:
+            settings["--ubatch-size"] = min(ubatch, wanted["--batch-size"])
+    out = rewrite_args(args, settings, LLAMACPP_ALIASES)
+    return [*out, "--kv-unified"] if keep_unified else out

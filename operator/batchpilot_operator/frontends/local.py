@@ -36,12 +36,12 @@ from batchpilot_operator.api.manifests import LoadedProfile, load_profiles
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
 from batchpilot_operator.control.engine_knobs import describe_settings, engine_settings
 from batchpilot_operator.control.status import apply_merge_patch
-from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, SGLANG
+from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, LLAMACPP, SGLANG
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.tuning import policy as policy_mod
 
-RUNTIME_KEYS = ("model", "url", "admin", "token-file", "name", "engine")
+RUNTIME_KEYS = ("model", "url", "admin", "token-file", "name", "engine", "engine-url")
 
 log = logging.getLogger("batchpilot.operator")
 
@@ -54,13 +54,17 @@ class RuntimeSpec:
     token: str | None
     name: str
     engine: str = BATCHPILOT
+    engine_url: str = ""  # llamacpp: llama-server's base URL, whose /metrics is scraped beside the gate's
 
 
 def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
-    """``model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH[,name=NAME][,engine=KIND]``; errors name the key.
+    """``model=NAME,url=SERVE_URL,admin=ADMIN_URL,token-file=PATH[,name=NAME][,engine=KIND][,engine-url=URL]``;
+    errors name the key.
 
-    ``engine`` is batchpilot (the default), vllm or sglang; only batchpilot's runtime has an admin API, so only
-    it needs ``admin=`` (an SGLang server takes its live settings on its serving port)."""
+    ``engine`` is batchpilot (the default), vllm, sglang or llamacpp. batchpilot's runtime and llamacpp need
+    ``admin=``: for llamacpp ``url=`` and ``admin=`` are batchpilot-gate's (in front of llama-server), and
+    ``engine-url=`` is llama-server's own, whose ``/metrics`` is read too (an SGLang server takes its live
+    settings on its serving port)."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -75,10 +79,14 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
         raise ValueError(f"--runtime {text!r}: unknown engine {engine!r} (known: {', '.join(ENGINES)})")
     if engine == SGLANG:
         fields.setdefault("admin", fields.get("url", ""))
-    for required in ("model", "url", "admin") if engine == BATCHPILOT else ("model", "url"):
+    for required in ("model", "url", "admin") if engine in (BATCHPILOT, LLAMACPP) else ("model", "url"):
         if not fields.get(required):
             raise ValueError(f"--runtime {text!r}: {required}= is required")
-    for key in ("url", "admin") if fields.get("admin") else ("url",):
+    if fields.get("engine-url") and engine != LLAMACPP:
+        raise ValueError(f"--runtime {text!r}: engine-url= is for engine=llamacpp (the engine behind the gate)")
+    for key in ("url", "admin", "engine-url"):
+        if key not in fields or (key == "admin" and not fields[key]):
+            continue
         if not fields[key].startswith(("http://", "https://")):
             raise ValueError(f"--runtime {text!r}: {key}= must be an http(s) URL, got {fields[key]!r}")
         try:
@@ -101,6 +109,7 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
         token=token,
         name=fields.get("name") or f"{fields['model']}-{index}",
         engine=engine,
+        engine_url=fields.get("engine-url", "").rstrip("/"),
     )
 
 
@@ -324,6 +333,7 @@ def _add_runtimes(controller: Controller, runtimes: Sequence[RuntimeSpec]) -> No
                 ready=True,
                 admin_url=runtime.admin or None,  # vLLM has no admin API: nothing is read or sent
                 metrics_url=f"{runtime.url}/metrics",
+                engine_metrics_url=f"{runtime.engine_url}/metrics" if runtime.engine_url else None,
                 model=runtime.model,
                 token=runtime.token,
                 uid=runtime.name,

@@ -33,6 +33,22 @@ served model name; the scheduler adds ``engine_type``, ``tp_rank``, ``pp_rank``,
 0..1), histogram ``sglang:queue_time_seconds``, counter
 ``sglang:num_retracted_requests_total`` (SGLang's preemption: a running request
 retracted when the KV pool runs out).
+
+llama.cpp's llama-server (``--metrics``), ``tools/server/server-task.cpp``
+(``server_task_result_metrics::to_metrics``, llama.cpp as vendored by the llama-cpp-python 0.3.36 sdist):
+no label at all (one server serves one model: the scrape's target gives the model); counters
+``llamacpp:prompt_tokens_total`` (prompt tokens computed, cached ones excluded: what batchpilot calls
+prefill tokens), ``llamacpp:tokens_predicted_total``, ``llamacpp:n_decode_total`` (``llama_decode()``
+calls); gauges ``llamacpp:requests_processing`` (slots busy), ``llamacpp:requests_deferred`` (requests
+waiting for a slot), ``llamacpp:n_busy_slots_per_decode`` (busy slots summed over every decode call since
+start, over ``n_decode_total``: their product's increase is the busy slots of the window's decode calls,
+the mean batch size). Its two throughput gauges (``prompt_tokens_seconds``, ``predicted_tokens_seconds``)
+are reset by every scrape, so they are not read. It exports no latency histogram: a llamacpp pod runs
+batchpilot-gate in front of it, whose ``batchpilot_*`` series give the latency, the requests and the
+queue at the gate; llama-server's own figures replace the gate's for what the engine runs (its busy
+slots, its generated tokens) and add to them for what the gate cannot see (requests deferred inside the
+engine). Values are printed with six significant digits (a C++ stream's default): past a million, a
+counter moves in steps of ten or more.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ from batchpilot_operator.io.observe import INTER_TOKEN
 BATCHPILOT = "batchpilot"
 VLLM = "vllm"
 SGLANG = "sglang"
+LLAMACPP = "llamacpp"
 
 
 @dataclass(frozen=True)
@@ -57,13 +74,16 @@ class EngineMetricNames:
     engine: str
     model_label: str
     latency: Mapping[str, tuple[str, ...]]  # LATENCY_HISTOGRAMS key -> histogram names
-    counters: Mapping[str, str]  # RATE_COUNTERS key -> counter name (as exposed, with _total)
-    gauges: Mapping[str, tuple[str, ...]]  # queue_depth, running, kv_usage -> gauge names
-
-    @property
-    def pods_gauge(self) -> str:
-        """The gauge every pod of the engine exports once per scheduler: counted as the pods reporting."""
-        return self.gauges["queue_depth"][0]
+    counters: Mapping[str, str]  # MetricsBuilder rate series -> counter name (as exposed, with _total)
+    gauges: Mapping[str, tuple[str, ...]]  # MetricsBuilder gauge series -> gauge names
+    # The gauge every pod of the engine exports once per scheduler, counted as the pods reporting; None for
+    # an engine behind the gate, whose pods the gate's series count.
+    pods_gauge: str | None
+    # An engine whose series carry no model label: the scrape's target (or relabelling) names the model.
+    model_from_target: bool = False
+    # Decode calls (a counter) and busy slots per call since start (a gauge): the window's mean batch size.
+    decodes: str | None = None
+    busy_slots_per_decode: str | None = None
 
 
 VLLM_NAMES = EngineMetricNames(
@@ -86,6 +106,7 @@ VLLM_NAMES = EngineMetricNames(
         "running": ("vllm:num_requests_running",),
         "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     },
+    pods_gauge="vllm:num_requests_waiting",
 )
 
 SGLANG_NAMES = EngineMetricNames(
@@ -108,16 +129,38 @@ SGLANG_NAMES = EngineMetricNames(
         "running": ("sglang:num_running_reqs",),
         "kv_usage": ("sglang:token_usage",),
     },
+    pods_gauge="sglang:num_queue_reqs",
+)
+
+LLAMACPP_NAMES = EngineMetricNames(
+    engine=LLAMACPP,
+    model_label="model",  # not llama-server's: the scrape's (the target's model, or a relabelling's label)
+    latency={},  # from the gate in front of it
+    counters={
+        "prefill_tokens": "llamacpp:prompt_tokens_total",
+        "engine_generated_tokens": "llamacpp:tokens_predicted_total",
+    },
+    gauges={
+        "queue_depth": ("llamacpp:requests_deferred",),
+        "engine_running": ("llamacpp:requests_processing",),
+    },
+    pods_gauge=None,
+    model_from_target=True,
+    decodes="llamacpp:n_decode_total",
+    busy_slots_per_decode="llamacpp:n_busy_slots_per_decode",
 )
 
 # The engines read through a table (batchpilot's own names come from the runtime's contract).
-FOREIGN_ENGINES: dict[str, EngineMetricNames] = {VLLM: VLLM_NAMES, SGLANG: SGLANG_NAMES}
+FOREIGN_ENGINES: dict[str, EngineMetricNames] = {VLLM: VLLM_NAMES, SGLANG: SGLANG_NAMES, LLAMACPP: LLAMACPP_NAMES}
 ENGINES = (BATCHPILOT, *FOREIGN_ENGINES)
+# Engines whose pods run batchpilot-gate in front of them: the gate's batchpilot_* series are read for them too.
+GATED_ENGINES = frozenset({LLAMACPP})
 
 
 @dataclass(frozen=True)
 class ExposedSeries:
-    """What one exposed name of a foreign engine feeds: ``kind`` is latency, counter or gauge;
+    """What one exposed name of a foreign engine feeds: ``kind`` is latency, counter, gauge or busy_slots
+    (a per-decode mean since start, whose product with the decode counter is a counter);
     ``rank`` 0 for the newest name, higher for older ones."""
 
     engine: EngineMetricNames
@@ -138,4 +181,8 @@ def exposed_names() -> dict[str, ExposedSeries]:
         for series, gauges in names.gauges.items():
             for rank, name in enumerate(gauges):
                 table[name] = ExposedSeries(names, "gauge", series, rank)
+        if names.decodes is not None:
+            table[names.decodes] = ExposedSeries(names, "counter", "batch_count", 0)
+        if names.busy_slots_per_decode is not None:
+            table[names.busy_slots_per_decode] = ExposedSeries(names, "busy_slots", "batch_sum", 0)
     return table

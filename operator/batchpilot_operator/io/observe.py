@@ -220,6 +220,9 @@ class MetricsBuilder:
         self._metrics: dict[ModelKey, ModelMetrics] = {}
         self._buckets: dict[tuple[ModelKey, str], dict[float, float]] = {}
         self._window_buckets: dict[ModelKey, dict[float, float]] = {}
+        # An engine behind the gate (llamacpp): its own running set and generated tokens, which replace the
+        # gate's in build() (the gate sees requests in flight to it, the engine what it runs).
+        self._engine_own: dict[ModelKey, dict[str, float]] = {}
 
     def _get(self, key: ModelKey) -> ModelMetrics:
         metrics = self._metrics.get(key)
@@ -251,11 +254,15 @@ class MetricsBuilder:
     def add_rate(self, key: ModelKey, series: str, rate: float, detail: str = "") -> None:
         """``series`` is one of requests, generated_tokens, prompt_tokens, prefill_tokens, tail_marked,
         preemptions, admissions (detail = reason), batch_sum, batch_count, and step_sum, step_count,
-        prefill_step_sum and prefill_step_count (detail = batch bucket; step_* for decode-only steps)."""
+        prefill_step_sum and prefill_step_count (detail = batch bucket; step_* for decode-only steps);
+        engine_generated_tokens: an engine's own count behind the gate, which replaces the gate's."""
         m = self._get(key)
         if not math.isfinite(rate):
             return
-        if series == "admissions":
+        if series in _ENGINE_OWN:
+            own = self._engine_own.setdefault(key, {})
+            own[series] = own.get(series, 0.0) + rate
+        elif series == "admissions":
             m.admissions_per_s[detail] = m.admissions_per_s.get(detail, 0.0) + rate
         elif series in _STEP_SERIES:
             try:
@@ -275,11 +282,15 @@ class MetricsBuilder:
             setattr(m, attribute, (getattr(m, attribute) or 0.0) + rate)
 
     def add_gauge(self, key: ModelKey, series: str, value: float) -> None:
-        """``series``: queue_depth and running add up over pods; kv_usage keeps the highest; pods counts."""
+        """``series``: queue_depth and running add up over pods; kv_usage keeps the highest; pods counts;
+        engine_running: an engine's own running set behind the gate, which replaces the gate's."""
         m = self._get(key)
         if not math.isfinite(value):
             return
-        if series == "queue_depth":
+        if series in _ENGINE_OWN:
+            own = self._engine_own.setdefault(key, {})
+            own[series] = own.get(series, 0.0) + value
+        elif series == "queue_depth":
             m.queue_depth = (m.queue_depth or 0.0) + value
         elif series == "running":
             m.running = (m.running or 0.0) + value
@@ -295,9 +306,16 @@ class MetricsBuilder:
             self._metrics[key].latency[latency_metric] = histogram_from_buckets(buckets)
         for key, buckets in self._window_buckets.items():
             self._metrics[key].itl_window = histogram_from_buckets(buckets)
+        for key, own in self._engine_own.items():
+            metrics = self._metrics[key]
+            for series, attribute in _ENGINE_OWN.items():
+                if series in own:
+                    setattr(metrics, attribute, own[series])
         return dict(self._metrics)
 
 
+# The series an engine behind the gate reports of its own, by the attribute whose gate figure they replace.
+_ENGINE_OWN = {"engine_running": "running", "engine_generated_tokens": "generated_tokens_per_s"}
 _STEP_SERIES = ("step_sum", "step_count", "prefill_step_sum", "prefill_step_count")
 _RATE_ATTRIBUTES = {
     "requests": "requests_per_s",

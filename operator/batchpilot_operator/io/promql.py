@@ -29,7 +29,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, FOREIGN_ENGINES, EngineMetricNames
+from batchpilot_operator.io.engine_metrics import (
+    BATCHPILOT,
+    ENGINES,
+    FOREIGN_ENGINES,
+    GATED_ENGINES,
+    EngineMetricNames,
+)
 from batchpilot_operator.io.observe import (
     ERROR_BUDGET_WINDOW_S,
     INTER_TOKEN,
@@ -119,7 +125,7 @@ def build_gap_hour_query(
     (pods x buckets x samples an hour), which at thousands of pods can pass Prometheus'
     ``--query.max-samples``; its failure then only leaves the policy without the hour."""
     parts = []
-    if BATCHPILOT in engines:
+    if _reads_batchpilot(engines):
         parts.append(_gap_window((rm.INTER_TOKEN_SECONDS,), _grouping(namespace_label, rm.LABEL_MODEL)))
     for names in _foreign_engines(engines):
         if INTER_TOKEN in names.latency:
@@ -128,8 +134,37 @@ def build_gap_hour_query(
     return " or ".join(parts)
 
 
-def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str) -> tuple[list[str], ...]:
+def _reads_batchpilot(engines: Collection[str]) -> bool:
+    """Whether the queries read batchpilot's names: for its runtime, and for the gate in front of an engine."""
+    return BATCHPILOT in engines or bool(GATED_ENGINES & set(engines))
+
+
+def _increase(factors: Sequence[str], window_s: int) -> str:
+    """How much the product of ``factors`` (metric names) grew over the window: now less a window ago (each
+    factor ``offset``: the modifier takes a selector, not an expression), 0 where it went down (the pod
+    restarted). Unlike ``rate()`` it takes a product, and it does not extrapolate, so two of them over the
+    same window divide exactly."""
+    now = " * ".join(factors)
+    before = " * ".join(f"({name} offset {window_s}s)" for name in factors)
+    return f"clamp_min({now} - {before}, 0)"
+
+
+def _decode_parts(names: EngineMetricNames, by: str, window_s: int) -> list[str]:
+    """The mean batch size's two rates from an engine's decode calls and its busy slots per call since start
+    (llama-server): busy slots and decode calls over the window, per second."""
+    if names.decodes is None or names.busy_slots_per_decode is None:
+        return []
+    busy = _increase((names.busy_slots_per_decode, names.decodes), window_s)
+    decodes = _increase((names.decodes,), window_s)
+    return [
+        _as_model(_tag(f"sum by ({by}) ({busy}) / {window_s}", "batch_sum"), names.model_label),
+        _as_model(_tag(f"sum by ({by}) ({decodes}) / {window_s}", "batch_count"), names.model_label),
+    ]
+
+
+def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, window_s: int) -> tuple[list[str], ...]:
     """One foreign engine's sub-expressions of the latency, rates and gauges queries, tagged like batchpilot's."""
+    w = f"[{window_s}s]"
     by = _grouping(namespace_label, names.model_label)
     latency = []
     for slo_name, histograms in names.latency.items():
@@ -144,12 +179,14 @@ def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, w: str
         _as_model(_tag(f"sum by ({by}) (rate({counter}{w}))", series), names.model_label)
         for series, counter in names.counters.items()
     ]
-    aggregation = {"queue_depth": "sum", "running": "sum", "kv_usage": "max"}
+    rates.extend(_decode_parts(names, by, window_s))
+    aggregation = {"queue_depth": "sum", "running": "sum", "engine_running": "sum", "kv_usage": "max"}
     gauges = [
         _as_model(_tag(f"{aggregation[series]} by ({by}) ({_newest_first('{}', gauge)})", series), names.model_label)
         for series, gauge in names.gauges.items()
     ]
-    gauges.append(_as_model(_tag(f"count by ({by}) ({names.pods_gauge})", "pods"), names.model_label))
+    if names.pods_gauge is not None:
+        gauges.append(_as_model(_tag(f"count by ({by}) ({names.pods_gauge})", "pods"), names.model_label))
     return latency, rates, gauges
 
 
@@ -159,15 +196,18 @@ def build_queries(
     engines: Collection[str] = (BATCHPILOT,),
 ) -> dict[str, str]:
     """The grouped queries of one interval, by name: three, whatever the number of profiles and engines.
-    batchpilot's names come from the runtime's contract, vLLM's and SGLang's from
-    :mod:`batchpilot_operator.io.engine_metrics`; each engine in ``engines`` adds its sub-expressions.
+    batchpilot's names come from the runtime's contract, the other engines' from
+    :mod:`batchpilot_operator.io.engine_metrics`; each engine in ``engines`` adds its sub-expressions (an
+    engine behind the gate, llamacpp, batchpilot's too: the gate's latency, requests and queue).
 
     ``namespace_label`` None groups by model alone (local mode matches profiles by model).
     """
-    queries = _batchpilot_queries(window_s, namespace_label) if BATCHPILOT in engines else {}
-    w = f"[{window_s}s]"
+    queries = _batchpilot_queries(window_s, namespace_label) if _reads_batchpilot(engines) else {}
     for names in _foreign_engines(engines):
-        for name, parts in zip(("latency", "rates", "gauges"), _foreign_parts(names, namespace_label, w), strict=True):
+        parts_by_query = _foreign_parts(names, namespace_label, window_s)
+        for name, parts in zip(("latency", "rates", "gauges"), parts_by_query, strict=True):
+            if not parts:
+                continue
             queries[name] = " or ".join([queries[name], *parts] if name in queries else parts)
     return queries
 

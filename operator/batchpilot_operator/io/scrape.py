@@ -58,18 +58,21 @@ class Scrape:
     series: dict[SeriesKey, float]
 
 
-def metrics_from_scrapes(current: Scrape, oldest: Scrape | None, builder: MetricsBuilder, namespace: str = "") -> None:
+def metrics_from_scrapes(
+    current: Scrape, oldest: Scrape | None, builder: MetricsBuilder, namespace: str = "", model: str = ""
+) -> None:
     """Add one pod's rates (increase over the span / span) and gauges to ``builder``, whichever engine
-    exported them (batchpilot's names, or vLLM's and SGLang's from :mod:`.engine_metrics`)."""
+    exported them (batchpilot's names, or vLLM's, SGLang's and llama-server's from :mod:`.engine_metrics`).
+    ``model``: the target's model, for an engine whose series carry no model label (llama-server)."""
     span_s = current.at_s - oldest.at_s if oldest is not None else 0.0
     previous = oldest.series if oldest is not None else {}
-    _foreign_from_scrapes(current, previous, span_s, builder, namespace)
+    _foreign_from_scrapes(current, previous, span_s, builder, namespace, model)
     for (name, label_items), value in current.series.items():
         labels = dict(label_items)
-        model = labels.get(rm.LABEL_MODEL)
-        if not model or not math.isfinite(value):
+        labelled_model = labels.get(rm.LABEL_MODEL)
+        if not labelled_model or not math.isfinite(value):
             continue
-        key = (namespace, model)
+        key = (namespace, labelled_model)
         if name in _GAUGES:
             builder.add_gauge(key, _GAUGES[name], value)
             if name == rm.QUEUE_DEPTH:
@@ -109,11 +112,27 @@ def _foreign_name(name: str) -> tuple[ExposedSeries, float | None] | None:
     return None
 
 
+def _busy_slots(
+    series: Mapping[SeriesKey, float], names: ExposedSeries, label_items: tuple[tuple[str, str], ...]
+) -> float:
+    """Busy slots summed over every decode call since start: the per-call mean times the calls (NaN: absent)."""
+    decodes = names.engine.decodes
+    per_decode = names.engine.busy_slots_per_decode
+    if decodes is None or per_decode is None:
+        return math.nan
+    return series.get((per_decode, label_items), math.nan) * series.get((decodes, label_items), math.nan)
+
+
 def _foreign_from_scrapes(
-    current: Scrape, previous: Mapping[SeriesKey, float], span_s: float, builder: MetricsBuilder, namespace: str
+    current: Scrape,
+    previous: Mapping[SeriesKey, float],
+    span_s: float,
+    builder: MetricsBuilder,
+    namespace: str,
+    target_model: str,
 ) -> None:
-    """vLLM's and SGLang's series of one pod, by their tables; where a pod exports a metric under two
-    names (a rename in progress), the newer name alone is read."""
+    """vLLM's, SGLang's and llama-server's series of one pod, by their tables; where a pod exports a metric
+    under two names (a rename in progress), the newer name alone is read."""
     newest: dict[tuple[str, str, str], int] = {}
     for name, _ in current.series:
         if (found := _foreign_name(name)) is not None:
@@ -128,7 +147,7 @@ def _foreign_from_scrapes(
         if exposed.rank != newest[(exposed.engine.engine, exposed.kind, exposed.series)]:
             continue
         labels = dict(label_items)
-        model = labels.get(exposed.engine.model_label)
+        model = labels.get(exposed.engine.model_label) or (target_model if exposed.engine.model_from_target else "")
         if not model:
             continue
         key = (namespace, model)
@@ -139,6 +158,13 @@ def _foreign_from_scrapes(
             continue
         if span_s <= 0:
             continue  # a first scrape: no rates yet
+        if exposed.kind == "busy_slots":
+            busy_now = _busy_slots(current.series, exposed, label_items)
+            busy_before = _busy_slots(previous, exposed, label_items)
+            if math.isfinite(busy_now):
+                before = busy_before if math.isfinite(busy_before) else None
+                builder.add_rate(key, exposed.series, counter_increase(busy_now, before) / span_s)
+            continue
         rate = counter_increase(value, previous.get((name, label_items))) / span_s
         if bucket is not None:
             try:
@@ -211,10 +237,10 @@ class ScrapeSource:
                 self._by_url.pop(url, None)
                 continue
             oldest = self._oldest_within_window(url, result)
-            metrics_from_scrapes(result, oldest, builder, namespace=key[0])
+            metrics_from_scrapes(result, oldest, builder, namespace=key[0], model=key[1])
             # The same scrapes alone: this pod's figures, for a canary (collect_pods).
             own = MetricsBuilder(result.at_s - oldest.at_s if oldest is not None else 0.0)
-            metrics_from_scrapes(result, oldest, own, namespace=key[0])
+            metrics_from_scrapes(result, oldest, own, namespace=key[0], model=key[1])
             self._by_url[url] = own.build()
         if urls and len(failures) == len(urls):
             raise MetricsUnavailable("no runtime answered /metrics: " + "; ".join(failures[:3]))
