@@ -27,8 +27,9 @@ them to the upstream engine.
   naming the methods in ``Allow``.
 
 Hang-ups: an engine keeps working on a request after its client has gone until it notices (llama.cpp's
-server checks between tokens when streaming and once a second otherwise), so a slot freed when the
-client leaves lets the engine run more requests than the cap. The end of its answer, or its closing
+server checks between tokens when streaming; a whole answer, only after a second in which no request
+got a result, so under load not before its end), so a slot freed when the client leaves lets the
+engine run more requests than the cap. The end of its answer, or its closing
 of the connection, is the only sign every HTTP engine gives that it is done with a request, so the
 slot is held until then. With ``stop`` the engine is told by a half-close (every HTTP server reads
 the end of the request stream as a client that has gone): llama.cpp's server then queues the
