@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   sets up this machine and runs the demo (no cluster needed)
-#   make test   sets up this machine and runs every check (ruff, mypy, pytest)
+#   make test   sets up this machine and runs every check (ruff, mypy, pytest); it builds llama.cpp's
+#               llama-server once per machine (about half an hour on two busy cores) for its tests
 # Both are idempotent: a second run reuses the virtual environment.
 
 SHELL := /bin/bash
@@ -19,7 +20,7 @@ CACHE_DIR ?= $(HOME)/.cache/batchpilot
 PY_TAG := $(shell $(PYTHON) -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 TORCH_DIR ?= $(CACHE_DIR)/torch-$(TORCH_VERSION)-$(PY_TAG)
 
-.PHONY: setup demo test lint typecheck crds docs system-deps clean
+.PHONY: setup demo test lint typecheck crds docs system-deps llama-server clean
 
 setup: $(STAMP)
 
@@ -38,6 +39,13 @@ $(STAMP): pyproject.toml Makefile scripts/torch-cache.sh
 system-deps:
 	scripts/system-deps.sh
 
+# llama.cpp's llama-server, built from the source the llama-cpp-python sdist vendors (pinned in the
+# script), once per machine into $(CACHE_DIR)/llama-server/; the tests against a real engine run it.
+# The last line printed is the binary's path.
+LLAMA_SERVER := BATCHPILOT_CACHE_DIR=$(CACHE_DIR) scripts/llama-server.sh
+llama-server: setup
+	PYTHON=$(BIN)/python $(LLAMA_SERVER)
+
 demo: setup
 	$(BIN)/batchpilot-operator demo $(DEMO_ARGS)
 
@@ -54,8 +62,8 @@ crds: setup
 docs: setup
 	$(BIN)/python scripts/update-reference-doc.py
 
-test: setup system-deps lint typecheck
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: setup system-deps lint typecheck llama-server
+	BATCHPILOT_LLAMA_SERVER="$$($(LLAMA_SERVER) --path)" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

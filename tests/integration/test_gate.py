@@ -263,6 +263,40 @@ def test_a_client_hang_up_frees_its_slot(tmp_path: Path) -> None:
         assert _sample(metrics, mn.REQUESTS_TOTAL, outcome="cancelled") == 2
 
 
+def test_on_hang_up_finish_holds_the_slot_until_the_upstream_has_finished(tmp_path: Path) -> None:
+    # The stand-in ignores hang-ups (it writes on into a closed connection for 30 tokens x 50 ms), and
+    # uvicorn under it closes a half-closed connection at once: only `finish` keeps the cap exact. A
+    # slot freed when the client left would let the next requests in beside the abandoned ones.
+    stand_in = StandIn(token_delay_s=0.05)
+    window = Window(target_batch_size=4, hard_cap=4, max_wait_ms=0)
+    with (
+        upstream_thread(stand_in) as (upstream, _),
+        gate_thread(tmp_path, upstream, window, on_hang_up="finish") as gated,
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+    ):
+        sockets = [
+            _raw_request(gated.serve_url, {"model": "m", "prompt": "x", "max_tokens": 30, "stream": i % 2 == 0})
+            for i in range(12)
+        ]
+        wait_until(lambda: stand_in.in_flight == 4 and gated.gate.admission.num_waiting == 8, 30, "cap full")
+        for sock in sockets:
+            sock.close()  # four hang up mid-answer, eight while waiting
+        wait_until(lambda: gated.gate.admission.num_waiting == 0, 30, "the waiting ones gone")
+
+        def one(index: int) -> int:
+            request = {"model": "m", "prompt": "x", "max_tokens": 2, "stream": index % 2 == 0}
+            with httpx.Client(timeout=60.0) as client:
+                return client.post(gated.serve_url + "/v1/completions", json=request).status_code
+
+        statuses = list(pool.map(one, range(4)))
+        wait_until(lambda: _completed(gated) == 4, 30, "every answered request counted")
+        metrics = gated.gate.metrics.exposition().decode()
+    assert statuses == [200] * 4
+    assert stand_in.max_in_flight == 4  # the abandoned four ran to their end before the next four went in
+    assert stand_in.finished == 8
+    assert _sample(metrics, mn.REQUESTS_TOTAL, outcome="cancelled") == 12
+
+
 def test_an_upstream_that_is_down_gives_502_naming_it(tmp_path: Path) -> None:
     with upstream_thread(StandIn()) as (upstream, _):
         pass  # started and stopped: nothing listens there now

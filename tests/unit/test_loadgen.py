@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -189,3 +190,15 @@ async def test_run_load_names_an_endpoint_without_models() -> None:
 
     with pytest.raises(ValueError, match="http://broken"):
         await run_load(["http://broken"], make_trace(1), transport=httpx.MockTransport(broken))
+
+
+def test_the_inter_token_gaps_of_completed_requests_are_summarized_together() -> None:
+    results = [
+        replace(make_result(0), inter_token_s=(0.01, 0.03)),
+        replace(make_result(1), inter_token_s=(0.02,)),
+        replace(make_result(2, outcome="rejected_429"), inter_token_s=(9.0,)),  # not completed: not counted
+    ]
+    summary = summarize(results, 1.0, [Endpoint("http://a")])
+    assert summary.inter_token.count == 3
+    assert summary.inter_token.p50_s == pytest.approx(0.02)
+    assert summary.inter_token.max_s == pytest.approx(0.03)

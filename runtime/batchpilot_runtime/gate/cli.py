@@ -23,7 +23,7 @@ from batchpilot_runtime.cli.args import add_env_flag, add_lane_flag, add_listen_
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT, LaneWindow
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.gate.admission import GateLimits
-from batchpilot_runtime.gate.proxy import GateApp
+from batchpilot_runtime.gate.proxy import HANG_UP_FINISH, HANG_UP_MODES, HANG_UP_STOP, GateApp
 from batchpilot_runtime.gate.service import Gate
 from batchpilot_runtime.gate.upstream import UpstreamSlots
 from batchpilot_runtime.server.admin import create_admin_app
@@ -54,6 +54,7 @@ class GateConfig:
     connect_timeout_s: float = 5.0
     drain_timeout_s: float = 600.0
     log_level: str = "info"
+    on_hang_up: str = HANG_UP_STOP
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine's longest sequence, reported in the admin API's capacity",
     )
     add_env_flag(upstream, "--connect-timeout-s", default=5.0, type=float, help="connecting to the upstream")
+    add_env_flag(
+        upstream,
+        "--on-hang-up",
+        default=HANG_UP_STOP,
+        choices=HANG_UP_MODES,
+        help=(
+            "a client that leaves mid-answer keeps its slot until the upstream ends the exchange; "
+            f"{HANG_UP_STOP}: the upstream is told (its connection half-closed) and stops; "
+            f"{HANG_UP_FINISH}: it is not, and finishes the answer (exact for an engine that closes "
+            "the connection before its abort takes effect, at the cost of the abandoned answer's work)"
+        ),
+    )
     window = parser.add_argument_group("batching window (the operator retunes these at run time)")
     add_env_flag(
         window, "--target-batch-size", default=8, type=positive_int, help="requests in flight admission waits for"
@@ -133,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> GateConfig:
         connect_timeout_s=args.connect_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
+        on_hang_up=args.on_hang_up,
     )
 
 
@@ -164,7 +178,7 @@ async def run_gate(
         serve_sock = bind_socket(config.host, config.port)
         admin_sock = bind_socket(config.host, config.admin_port)
         servers = [
-            http_server(GateApp(gate, config.upstream, slots)),
+            http_server(GateApp(gate, config.upstream, slots, config.on_hang_up)),
             http_server(create_admin_app(gate, "batchpilot gate admin")),
         ]
         tasks = [

@@ -11,13 +11,18 @@ What it speaks: a request with a ``Content-Length`` body; a response framed by c
 ``Content-Length`` or by the connection's end; keep-alive unless either side says ``close``. A
 response whose head never came (the engine closed a kept-alive connection as the request went out)
 raises :class:`UpstreamClosed`, which the caller may send again once; a connection that cannot be
-made raises :class:`UpstreamError` at once. Closing a response before its end closes its connection,
-which is how the engine learns that the client hung up.
+made raises :class:`UpstreamError` at once. Closing a response before its end closes its connection.
+
+A client that hangs up is passed on by :meth:`SlotClient.hang_up`: the gate half-closes the request's
+connection (its write side: the engine reads the end of the stream, which every HTTP server takes for
+a client that has gone) and keeps reading, so that it learns when the engine has stopped the request:
+the answer ends, or the engine closes the connection. A half-closed connection is never reused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -69,9 +74,21 @@ class _Connection:
         self.reader = reader
         self.writer = writer
         self.idle_since_s = 0.0  # set when the slot keeps it
+        self.half_closed = False
 
     def close(self) -> None:
         self.writer.close()
+
+    def half_close(self) -> None:
+        """End the write side (after what is buffered); the read side stays open."""
+        if self.half_closed or self.writer.is_closing():
+            return
+        self.half_closed = True
+        if not self.writer.can_write_eof():  # TLS has no half-close: close, and learn nothing more
+            self.writer.close()
+            return
+        with contextlib.suppress(OSError):  # the engine has already gone: the read side will see it
+            self.writer.write_eof()
 
 
 class Response:
@@ -145,7 +162,8 @@ class Response:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if self._reusable:
+        self._slot.exchange_ended(connection)
+        if self._reusable and not connection.half_closed:
             self._slot.keep(connection)
         else:
             connection.close()
@@ -166,11 +184,30 @@ class SlotClient:
         self._clock = clock
         self._tls = tls if tls is not None else (ssl.create_default_context() if origin.scheme == "https" else None)
         self._idle: _Connection | None = None
+        # The connection of the exchange in progress (from the request's sending to the answer's end),
+        # and whether the client has hung up on it.
+        self._active: _Connection | None = None
+        self.hung_up = False  # reset by the slot's owner when it starts a request
+
+    def hang_up(self) -> None:
+        """The client of the exchange in progress has gone: half-close its connection now, or, if the
+        request has not gone out yet, make :meth:`send` not send it (it raises ``UpstreamError``)."""
+        self.hung_up = True
+        if self._active is not None:
+            self._active.half_close()
+
+    def exchange_ended(self, connection: _Connection) -> None:
+        if self._active is connection:
+            self._active = None
 
     async def send(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> Response:
         """Send the request and read the answer's head. A connection closed before any answer is
         :class:`UpstreamClosed`; anything else that fails is :class:`UpstreamError`."""
         connection = self._take_idle() or await self._connect()
+        if self.hung_up:  # while connecting: nothing went out, nothing to stop upstream
+            connection.close()
+            raise UpstreamError("the client hung up before the request went out")
+        self._active = connection
         head = [f"{method} {self.origin.base_path}{path} HTTP/1.1\r\n".encode()]
         head.append(f"host: {self.origin.host_header}\r\ncontent-length: {len(body)}\r\n".encode())
         head.append(b"accept-encoding: identity\r\n")  # the gate reads SSE events and usage from the bytes
@@ -181,13 +218,18 @@ class SlotClient:
             await connection.writer.drain()
             status, response_headers, http10 = await self._read_head(connection.reader)
         except (OSError, asyncio.IncompleteReadError) as error:
+            self.exchange_ended(connection)
             connection.close()
+            if connection.half_closed:  # the engine stopped the request the client left: not to send again
+                raise UpstreamError(f"the connection closed after the client hung up: {error!r}") from error
             raise UpstreamClosed(f"the connection closed before an answer: {error!r}") from error
         except (asyncio.LimitOverrunError, ValueError) as error:
+            self.exchange_ended(connection)
             connection.close()
             raise UpstreamError(f"the answer is not HTTP/1.1: {error!r}") from error
         except BaseException:
-            connection.close()  # cancelled: the client hung up while the engine had not answered yet
+            self.exchange_ended(connection)
+            connection.close()  # cancelled (the gate is stopping): the engine sees the hang-up
             raise
         return Response(self, connection, status, response_headers, http10)
 

@@ -16,11 +16,28 @@ them to the upstream engine.
   the answer comes back unchanged, a streamed one chunk for chunk as the upstream sends it
   (nothing is buffered). An upstream that cannot be reached, or fails before it answers, is a 502
   naming the upstream; one that fails mid-stream ends the stream with an SSE error event. A client
-  that hangs up, waiting or streaming, frees its place at once and the upstream request is closed.
+  that hangs up while waiting frees its place at once. One that hangs up once its request went
+  upstream keeps its place until the upstream has ended that exchange: the gate reads on, discarding,
+  until the answer ends or the engine closes the connection, having first half-closed the upstream
+  connection (``stop``, the default: the engine sees the hang-up as if from the client, and stops) or
+  not (``finish``: the engine finishes the answer); see "Hang-ups" below.
 - ``GET /v1/models`` and ``GET /health`` pass through without admission; ``/healthz`` answers for
   the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own;
   ``/openapi.json`` is the port's document (``openapi``). Another method on a served path is a 405
   naming the methods in ``Allow``.
+
+Hang-ups: an engine keeps working on a request after its client has gone until it notices (llama.cpp's
+server checks between tokens when streaming; a whole answer, only after a second in which no request
+got a result, so under load not before its end), so a slot freed when the client leaves lets the
+engine run more requests than the cap. The end of its answer, or its closing
+of the connection, is the only sign every HTTP engine gives that it is done with a request, so the
+slot is held until then. With ``stop`` the engine is told by a half-close (every HTTP server reads
+the end of the request stream as a client that has gone): llama.cpp's server then queues the
+request's cancel, ahead of any later request, before it ends the answer, so its running count never
+passes the cap; a server that closes the connection at once and aborts after (uvicorn's, under
+vLLM, SGLang and this project's runtime) can overlap by that abort's delay, and one that closes at
+once and does not abort at all by the rest of the answer. ``finish`` is exact for every engine: the
+engine is not told, and the abandoned answer's work is spent under the cap.
 
 Raw ASGI rather than a framework: the hot path is read body, await admission, stream bytes, and
 each layer a framework adds is latency on every chunk.
@@ -80,6 +97,11 @@ _SSE_DONE = b"data: [DONE]"
 _USAGE_KEY = b'"usage"'
 
 
+HANG_UP_STOP = "stop"
+HANG_UP_FINISH = "finish"
+HANG_UP_MODES = (HANG_UP_STOP, HANG_UP_FINISH)
+
+
 class _ClientGone(Exception):
     """The client hung up before its request was read."""
 
@@ -101,6 +123,10 @@ class _Exchange:
     outcome: str = "cancelled"
     response_started: bool = False
     streamed: bool = False
+    # The slot's client once the request is going upstream (a hang-up is passed to it), and whether
+    # the client has gone (nothing more is sent to it; the upstream answer is read to its end).
+    upstream: SlotClient | None = None
+    client_gone: bool = False
 
 
 async def _send_simple(send: Send, status: int, body: bytes, content_type: bytes, headers: dict[str, str]) -> None:
@@ -192,10 +218,13 @@ def _usage_tokens(tail: bytes, streamed: bool) -> tuple[int, int] | None:
 class GateApp:
     """The serving port's ASGI app (see the module docstring)."""
 
-    def __init__(self, gate: Gate, upstream: str, slots: UpstreamSlots) -> None:
+    def __init__(self, gate: Gate, upstream: str, slots: UpstreamSlots, on_hang_up: str = HANG_UP_STOP) -> None:
+        if on_hang_up not in HANG_UP_MODES:
+            raise ValueError(f"on_hang_up: expected one of {', '.join(HANG_UP_MODES)}, got {on_hang_up!r}")
         self.gate = gate
         self.upstream = upstream.rstrip("/")
         self.slots = slots
+        self.on_hang_up = on_hang_up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -261,12 +290,15 @@ class GateApp:
         watch = asyncio.ensure_future(_until_disconnect(receive))
         try:
             await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client hung up: stop waiting or streaming, close the upstream request
-                exchange.outcome = "cancelled"
-                work.cancel()
+            if not work.done():  # the client hung up
+                exchange.client_gone = True
+                if exchange.upstream is None:  # still waiting: nothing upstream to stop
+                    work.cancel()
+                elif self.on_hang_up == HANG_UP_STOP:  # the slot is held until the engine ends the exchange
+                    exchange.upstream.hang_up()
             await asyncio.gather(work, return_exceptions=True)
             failure = None if work.cancelled() else work.exception()
-            if isinstance(failure, OSError):  # a write to a client that has gone
+            if exchange.client_gone or isinstance(failure, OSError):  # OSError: a write to a client that has gone
                 exchange.outcome = "cancelled"
             elif failure is not None:
                 logger.error("gate request failed", exc_info=failure)
@@ -284,10 +316,13 @@ class GateApp:
         exchange.admitted = await admission
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
         slot, client = self.slots.take()
+        exchange.upstream = client
         try:
             try:
                 response = await self._send_upstream(client, scope, body, headers)
             except UpstreamError as error:
+                if exchange.client_gone:
+                    return
                 exchange.outcome = "error"
                 await self._bad_gateway(send, error)
                 return
@@ -303,22 +338,31 @@ class GateApp:
     ) -> Response:
         """The upstream's answer (its head; the body streams). A connection the engine closed before
         answering (a kept-alive one it was closing just as the request went out) is sent again, once,
-        on a new connection. A refused connection is not retried (the engine is down: 502 at once)."""
+        on a new connection, unless the client has gone meanwhile. A refused connection is not retried
+        (the engine is down: 502 at once)."""
         try:
             return await client.send(scope["method"], scope["path"], headers, body)
         except UpstreamClosed as error:
+            if client.hung_up:  # the client has gone meanwhile: nothing to send again
+                raise
             logger.info("upstream closed a connection unanswered; sending again", extra={"error": repr(error)})
         return await client.send(scope["method"], scope["path"], headers, body)
 
     async def _relay(self, response: Response, exchange: _Exchange, send: Send) -> None:
+        """Pass the answer on to the client; once the client has gone, read it to its end unsent."""
         # The body's bytes go back as they came (not decoded), so the upstream's encoding holds.
         headers = [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
+        if exchange.client_gone:
+            await self._drain(response)
+            return
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         exchange.response_started = True
         streamed = exchange.streamed = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
         clock = self.gate.clock
         try:
             async for chunk in response.aiter_raw():
+                if exchange.client_gone:  # the rest is read only to learn when the engine has stopped
+                    continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 now_s = clock()
                 if streamed:
@@ -327,6 +371,8 @@ class GateApp:
                 if len(exchange.tail) > 2 * TAIL_BYTES:
                     del exchange.tail[:-TAIL_BYTES]
         except UpstreamError as error:
+            if exchange.client_gone:  # the engine closed the connection the client left: it has stopped
+                return
             exchange.outcome = "error"
             logger.warning("upstream failed mid-answer", extra={"upstream": self.upstream, "error": repr(error)})
             if streamed:
@@ -335,9 +381,19 @@ class GateApp:
                 await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
+        if exchange.client_gone:
+            return
         await send({"type": "http.response.body", "body": b""})
         status = response.status_code
         exchange.outcome = "completed" if status < 400 else "rejected" if status < 500 else "error"
+
+    @staticmethod
+    async def _drain(response: Response) -> None:
+        try:
+            async for _ in response.aiter_raw():
+                pass
+        except UpstreamError:
+            pass  # the engine closed the connection: it has stopped the request
 
     @staticmethod
     def _observe_chunk(exchange: _Exchange, chunk: bytes, now_s: float) -> None:

@@ -46,7 +46,9 @@ class UpstreamSlots:
         if not self._free:
             raise RuntimeError("no free upstream slot: more requests in flight than --max-hard-cap allows")
         slot = heapq.heappop(self._free)
-        return slot, self._slots[slot]
+        client = self._slots[slot]
+        client.hung_up = False
+        return slot, client
 
     def give_back(self, slot: int) -> None:
         heapq.heappush(self._free, slot)

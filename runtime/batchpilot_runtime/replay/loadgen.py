@@ -85,6 +85,9 @@ class RequestResult:
     e2e_s: float | None
     send_lag_s: float
     detail: str | None = None
+    # Seconds between successive streamed chunks that carry text (a token each, for the engines the
+    # project serves: vLLM, SGLang, llama-server, this runtime).
+    inter_token_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class LoadSummary:
     throughput: Throughput
     ttft: LatencyStats
     e2e: LatencyStats
+    inter_token: LatencyStats  # every gap between two chunks of a completed request
     output_tokens: int
     prompt_tokens: int
     max_send_lag_s: float
@@ -232,6 +236,7 @@ def summarize(
         ),
         ttft=LatencyStats.of([r.ttft_s for r in completed if r.ttft_s is not None]),
         e2e=LatencyStats.of([r.e2e_s for r in completed if r.e2e_s is not None]),
+        inter_token=LatencyStats.of([gap for r in completed for gap in r.inter_token_s]),
         output_tokens=output_tokens,
         prompt_tokens=prompt_tokens,
         max_send_lag_s=max((r.send_lag_s for r in results), default=0.0),
@@ -293,9 +298,12 @@ async def _send(
             e2e_s,
             send_lag_s,
             detail,
+            tuple(gaps_s),
         )
 
     ttft_s: float | None = None
+    last_chunk_s = 0.0
+    gaps_s: list[float] = []
     chunks = 0
     usage_tokens: int | None = None
     try:
@@ -319,8 +327,12 @@ async def _send(
                 if "error" in payload:
                     return result("server_error", 200, chunks, ttft_s, detail=str(payload["error"])[:300])
                 if payload.get("choices"):
+                    now_s = time.perf_counter()
                     if ttft_s is None:
-                        ttft_s = time.perf_counter() - intended_s
+                        ttft_s = now_s - intended_s
+                    elif payload["choices"][0].get("text"):  # not a closing chunk that only says why it ended
+                        gaps_s.append(now_s - last_chunk_s)
+                    last_chunk_s = now_s
                     chunks += 1
                 if payload.get("usage"):
                     usage_tokens = int(payload["usage"]["completion_tokens"])
