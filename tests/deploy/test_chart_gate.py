@@ -272,6 +272,11 @@ def test_llama_server_runs_behind_the_gate_with_its_flags_as_separate_args(tmp_p
     config = _gate_config(containers["gate"])
     assert config.upstream == "http://127.0.0.1:8000"
     assert config.limits.max_hard_cap == 16
+    # llama-server's own series reach Prometheus through the gate's scrape, labelled with the model, and
+    # its profile reads them as llama-server's.
+    assert config.engine_metrics_path == "/metrics"
+    (profile,) = [d for d in docs if d["kind"] == "BatchProfile" and d["spec"]["model"] == "qwen"]
+    assert profile["spec"]["engine"] == "llamacpp"
 
 
 @pytest.mark.parametrize("flag", ["--parallel", "-np", "--alias", "--port"])

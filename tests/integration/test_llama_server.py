@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from batchpilot_operator.io.exposition import parse_exposition
 from batchpilot_runtime.contract.window import Window
 from tests.integration.gate_process import GateThread, gate_thread
 from tests.integration.llama_server_process import (
@@ -206,3 +207,23 @@ def test_clients_that_hang_up_never_take_llama_server_past_the_gates_cap(idle: L
     # on every result, a scrape's included), so under this load those two ran to their end: the gate
     # held their slots meanwhile.
     assert idle.log_text().count("cancel task") - cancels_before >= GATE_CAP
+
+
+def test_the_gate_passes_on_llama_servers_metrics_labelled_with_the_model(idle: LlamaServer, tmp_path: Path) -> None:
+    # --engine-metrics: one scrape of the gate reads its own series and llama-server's, which carry no
+    # labels of their own; Prometheus and the operator can then tell each model's apart.
+    window = Window(target_batch_size=1, hard_cap=GATE_CAP, max_wait_ms=0)
+    with (
+        gate_thread(
+            tmp_path, idle.url, window, max_hard_cap=SLOTS, model_name=MODEL, engine_metrics_path="/metrics"
+        ) as gate,
+        httpx.Client(base_url=gate.serve_url, timeout=120.0) as http,
+    ):
+        answered = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert answered.status_code == 200, answered.text
+        series = parse_exposition(http.get("/metrics").text)
+    model = (("model", MODEL),)
+    assert series[("llamacpp:requests_processing", model)] == 0.0
+    assert series[("llamacpp:tokens_predicted_total", model)] >= 4.0
+    assert series[("batchpilot_requests_total", (*model, ("outcome", "completed")))] == 1.0
+    assert not [name for name, labels in series if name.startswith("llamacpp:") and dict(labels) != dict(model)]

@@ -167,6 +167,11 @@
     - --lane={{ .name }}:target={{ .window.targetBatchSize | int }},cap={{ .window.hardCap | int }},wait={{ .window.maxWaitMs | int }},tail={{ .window.tailMarkRatio }},reserved={{ default 0 .reservedSlots | int }}
     {{- end }}
     - --drain-timeout-s={{ max 1 (sub (int $runtime.terminationGracePeriodSeconds) 5) }}
+    {{- if eq $engine.kind "llamacpp" }}
+    {{- /* llama-server listens on loopback and labels nothing: the gate passes its llamacpp:* series
+           on, labelled with the model, and is their only scraper (a scrape resets two gauges). */}}
+    - --engine-metrics=/metrics
+    {{- end }}
   ports:
     - name: http
       containerPort: {{ $runtime.ports.http }}

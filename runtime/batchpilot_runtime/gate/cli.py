@@ -55,6 +55,7 @@ class GateConfig:
     drain_timeout_s: float = 600.0
     log_level: str = "info"
     on_hang_up: str = HANG_UP_STOP
+    engine_metrics_path: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine's longest sequence, reported in the admin API's capacity",
     )
     add_env_flag(upstream, "--connect-timeout-s", default=5.0, type=float, help="connecting to the upstream")
+    add_env_flag(
+        upstream,
+        "--engine-metrics",
+        metavar="PATH",
+        help=(
+            "the engine's own metrics path (llama-server: /metrics), appended to the gate's /metrics with "
+            "each series labelled model=--model-name, so that one scrape of the gate reads both"
+        ),
+    )
     add_env_flag(
         upstream,
         "--on-hang-up",
@@ -147,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> GateConfig:
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
         on_hang_up=args.on_hang_up,
+        engine_metrics_path=args.engine_metrics or None,
     )
 
 
@@ -178,7 +189,7 @@ async def run_gate(
         serve_sock = bind_socket(config.host, config.port)
         admin_sock = bind_socket(config.host, config.admin_port)
         servers = [
-            http_server(GateApp(gate, config.upstream, slots, config.on_hang_up)),
+            http_server(GateApp(gate, config.upstream, slots, config.on_hang_up, config.engine_metrics_path)),
             http_server(create_admin_app(gate, "batchpilot gate admin")),
         ]
         tasks = [

@@ -22,7 +22,8 @@ them to the upstream engine.
   connection (``stop``, the default: the engine sees the hang-up as if from the client, and stops) or
   not (``finish``: the engine finishes the answer); see "Hang-ups" below.
 - ``GET /v1/models`` and ``GET /health`` pass through without admission; ``/healthz`` answers for
-  the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own;
+  the gate itself, ``/readyz`` asks the upstream's ``/health``; ``/metrics`` is the gate's own
+  (followed by the engine's, labelled with the model, with ``--engine-metrics``: ``engine_metrics``);
   ``/openapi.json`` is the port's document (``openapi``). Another method on a served path is a 405
   naming the methods in ``Allow``.
 
@@ -57,6 +58,7 @@ import httpx
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LANE_HEADER
 from batchpilot_runtime.gate.admission import Admitted
+from batchpilot_runtime.gate.engine_metrics import with_model_label
 from batchpilot_runtime.gate.h1client import Response, SlotClient, UpstreamClosed, UpstreamError
 from batchpilot_runtime.gate.openapi import DOCUMENT_BYTES, SERVED_METHODS
 from batchpilot_runtime.gate.service import Gate
@@ -82,6 +84,7 @@ Send = Callable[[Message], Awaitable[None]]
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 PASSTHROUGH_PATHS = frozenset({"/v1/models", "/health"})
 TAIL_BYTES = 65536  # of an answer kept for its usage object
+ENGINE_METRICS_TIMEOUT_S = 2.0  # well under a scrape's usual 10 s timeout
 DRAINING_RETRY_AFTER_S = 1
 # Headers that belong to one hop (RFC 9110 section 7.6.1), never forwarded either way; uvicorn sets its own.
 _HOP_BY_HOP = frozenset(
@@ -218,13 +221,23 @@ def _usage_tokens(tail: bytes, streamed: bool) -> tuple[int, int] | None:
 class GateApp:
     """The serving port's ASGI app (see the module docstring)."""
 
-    def __init__(self, gate: Gate, upstream: str, slots: UpstreamSlots, on_hang_up: str = HANG_UP_STOP) -> None:
+    def __init__(
+        self,
+        gate: Gate,
+        upstream: str,
+        slots: UpstreamSlots,
+        on_hang_up: str = HANG_UP_STOP,
+        engine_metrics_path: str | None = None,
+    ) -> None:
         if on_hang_up not in HANG_UP_MODES:
             raise ValueError(f"on_hang_up: expected one of {', '.join(HANG_UP_MODES)}, got {on_hang_up!r}")
         self.gate = gate
         self.upstream = upstream.rstrip("/")
         self.slots = slots
         self.on_hang_up = on_hang_up
+        if engine_metrics_path is not None and not engine_metrics_path.startswith("/"):
+            raise ValueError(f"engine_metrics_path: expected a path starting with '/', got {engine_metrics_path!r}")
+        self.engine_metrics_path = engine_metrics_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -236,7 +249,7 @@ class GateApp:
             elif path in PASSTHROUGH_PATHS and method == "GET":
                 await self._passthrough(scope, send)
             elif path == "/metrics" and method == "GET":
-                await _send_simple(send, 200, self.gate.metrics.exposition(), EXPOSITION_CONTENT_TYPE.encode(), {})
+                await self._metrics(send)
             elif path == "/healthz" and method == "GET":
                 await _send_simple(send, 200, b"ok", b"text/plain", {})
             elif path == "/readyz" and method == "GET":
@@ -443,6 +456,21 @@ class GateApp:
         kept = {k: v for k, v in response.headers.items() if k.encode() not in dropped}
         content_type = kept.pop("content-type", "application/json")
         await _send_simple(send, response.status_code, response.content, content_type.encode(), kept)
+
+    async def _metrics(self, send: Send) -> None:
+        """The gate's metrics, then the engine's own (``engine_metrics``) when asked for; an engine that
+        does not answer leaves them out, and says so in the log, rather than failing the gate's."""
+        body = self.gate.metrics.exposition()
+        if self.engine_metrics_path is not None:
+            url = self.upstream + self.engine_metrics_path
+            try:
+                response = await self.slots.side.get(url, timeout=ENGINE_METRICS_TIMEOUT_S)
+                response.raise_for_status()
+            except httpx.HTTPError as error:
+                logger.warning("engine metrics not read", extra={"url": url, "error": repr(error)})
+            else:
+                body += with_model_label(response.content, self.gate.model_name)
+        await _send_simple(send, 200, body, EXPOSITION_CONTENT_TYPE.encode(), {})
 
     async def _readyz(self, send: Send) -> None:
         if self.gate.draining:
