@@ -1,6 +1,6 @@
 """Side by side on one GGUF: the batchpilot runtime and llama.cpp's llama-server, over HTTP.
 
-    PYTHONPATH=operator:runtime .venv/bin/python tests/bench/bench_llamacpp.py --quick
+    .venv/bin/python tests/bench/bench_llamacpp.py --quick
 
 Three servers, each started fresh for each load (llama-server keeps every slot's prompt in its cache,
 so a warm server would answer a replayed prompt from it), alone on the machine, with the same thread
@@ -38,6 +38,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# Run as a script, the repository's root (where the tests package is) is not on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.integration.llama_server_process import (
     llama_server,
