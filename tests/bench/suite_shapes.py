@@ -8,7 +8,7 @@ multiplies it), labelled with what it stands for:
   the ServeGen client windows (both models) whose prompt P50 lies in 1-6k tokens and answer P50
   under 64;
 - ``long_context_bursts``: contexts of several thousand tokens with answers of a few hundred
-  (client windows with prompt P50 in 3-8k and answer P50 in 100-600), arriving in bursts of 8-16
+  (client windows with prompt P50 in 3-8k and answer P50 in 100-600), arriving in bursts of tens
   within one second;
 - ``low_rate``: the Azure hour's lengths at a few requests a minute, with a burst of 20-40
   simultaneous arrivals every few minutes;
@@ -186,11 +186,11 @@ def build_shapes(trace: Path, minutes: float, seed: int = 0) -> list[Shape]:
         )
     )
     long_context = servegen_lengths(lambda p50, o50: 3000 <= p50 <= 8000 and 100 <= o50 <= 600)
-    burst_times = bursts(random.Random(seed), minutes, 6.0, 30.0, (8, 16))
+    burst_times = bursts(random.Random(seed), minutes, 6.0, 20.0, (10, 30))
     shapes.append(
         Shape(
             "long_context_bursts",
-            "contexts of several thousand tokens, answers of a few hundred, bursts of 8-16 in one second",
+            "contexts of several thousand tokens, answers of a few hundred, bursts of 10-30 in one second",
             with_lengths(burst_times, long_context(rng, len(burst_times))),
         )
     )
