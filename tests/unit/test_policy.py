@@ -313,6 +313,25 @@ def test_never_leaves_bounds_and_target_within_cap(
 
 
 @PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000), st.integers(0, 1000), st.floats(1.1, 6.0))
+def test_wait_and_tail_ratio_never_rise_past_the_profiles_own(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float, wait: int, ratio: float
+) -> None:
+    # Issue 31: raised at light load, both are in force at the next burst, and neither shortens a latency.
+    spec, start = sw
+    bounds = spec.tuning.bounds
+    window = start.model_copy(
+        update={
+            "max_wait_ms": min(max(wait, bounds.max_wait_ms.min), bounds.max_wait_ms.max),
+            "tail_mark_ratio": min(max(ratio, bounds.tail_mark_ratio.min), bounds.tail_mark_ratio.max),
+        }
+    )
+    decision = decide(spec, window, obs, state, now_s)
+    assert decision.window.max_wait_ms <= max(window.max_wait_ms, spec.window.max_wait_ms)
+    assert decision.window.tail_mark_ratio <= max(window.tail_mark_ratio, spec.window.tail_mark_ratio) + 1e-9
+
+
+@PROPERTY_SETTINGS
 @given(spec_and_window(), observations, states, st.floats(0, 2000))
 def test_each_field_moves_at_most_one_step(
     sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float
