@@ -43,6 +43,10 @@ from batchpilot_operator.cli.simulate import json_safe
 from batchpilot_operator.sim.slo import DualSLO
 from batchpilot_runtime.replay.cost_model import A100_LLAMA2_7B
 from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH
+
+if __package__ in (None, ""):  # run as a script: the repository root makes ``tests.bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from tests.bench.bench_slo import ENGINE_DEFAULTS, STARTING_WINDOW, Job, _run, grid
 from tests.bench.suite_shapes import Shape, build_shapes
 

@@ -44,12 +44,14 @@ fills it (half the running batch plus a third of the arrivals expected within th
 so that admissions fire on the target rather than on the timer), never past the
 measured knee in ``auto`` mode, where throughput stops growing with the batch. The
 wait follows the arrival rate: 1.5x the time arrivals take to fill the gap between
-the running batch and the target, so short under heavy load and longer (up to the
-bound) under light load, never above a tenth of the SLO (a wait is latency spent for
-sure), and left alone when the running batch already exceeds the target (then every
+the running batch and the target, so short under heavy load and longer under light
+load, but never past the profile's own wait (nor the bound, nor a tenth of the SLO: a wait
+is latency spent for sure), since a wait raised while the engine idles is still in force
+when the next burst comes, before the policy has seen it (issue 31), and left alone when the running batch already exceeds the target (then every
 arrival is admitted at once and the wait never fires). The tail-mark ratio stays at
 2.0 unless more than a fifth of admissions get marked (marking too early marks
-everyone): then it rises by 0.25, and drifts back when marking becomes rare; it only
+everyone): then it rises by 0.25, up to the profile's own ratio (a marked request is
+admitted at once, so a higher ratio never shortens a latency), and drifts back when marking becomes rare; it only
 moves together with another field, never as a decision of its own, and not
 at all when the new window has no wait (every queued request is then admitted
 at the next step with room, oldest first, so marking changes nothing).
