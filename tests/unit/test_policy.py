@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from batchpilot_operator.api.profile import BatchProfileSpec
-from batchpilot_operator.tuning.moves import gap_room_factor
+from batchpilot_operator.tuning.budget import gap_room_factor
 from batchpilot_operator.tuning.observations import NAN, Observations, histogram_quantile, is_saturated
 from batchpilot_operator.tuning.policy import (
     DEFAULT_CONFIG,
@@ -313,6 +313,25 @@ def test_never_leaves_bounds_and_target_within_cap(
 
 
 @PROPERTY_SETTINGS
+@given(spec_and_window(), observations, states, st.floats(0, 2000), st.integers(0, 1000), st.floats(1.1, 6.0))
+def test_wait_and_tail_ratio_never_rise_past_the_profiles_own(
+    sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float, wait: int, ratio: float
+) -> None:
+    # Issue 31: raised at light load, both are in force at the next burst, and neither shortens a latency.
+    spec, start = sw
+    bounds = spec.tuning.bounds
+    window = start.model_copy(
+        update={
+            "max_wait_ms": min(max(wait, bounds.max_wait_ms.min), bounds.max_wait_ms.max),
+            "tail_mark_ratio": min(max(ratio, bounds.tail_mark_ratio.min), bounds.tail_mark_ratio.max),
+        }
+    )
+    decision = decide(spec, window, obs, state, now_s)
+    assert decision.window.max_wait_ms <= max(window.max_wait_ms, spec.window.max_wait_ms)
+    assert decision.window.tail_mark_ratio <= max(window.tail_mark_ratio, spec.window.tail_mark_ratio) + 1e-9
+
+
+@PROPERTY_SETTINGS
 @given(spec_and_window(), observations, states, st.floats(0, 2000))
 def test_each_field_moves_at_most_one_step(
     sw: tuple[BatchProfileSpec, Window], obs: Observations, state: PolicyState, now_s: float
@@ -526,8 +545,8 @@ def test_auto_mode_stops_the_target_at_the_knee() -> None:
     assert decision.window.target_batch_size == 8
 
 
-def test_wait_follows_the_arrival_rate() -> None:
-    spec = make_policy_spec(tuning={"maxStepFraction": 1.0, "cooldownSeconds": 0})
+def test_wait_follows_the_arrival_rate_up_to_the_profiles_own_wait() -> None:
+    spec = make_policy_spec(window={"maxWaitMs": 60}, tuning={"maxStepFraction": 1.0, "cooldownSeconds": 0})
     window = make_window(wait_ms=40)
     state = PolicyState(headroom_streak=5)
     fast = decide(
@@ -535,8 +554,20 @@ def test_wait_follows_the_arrival_rate() -> None:
     )
     slow = decide(spec, window, make_observations(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=5.0), state, 100.0)
     assert fast.window.max_wait_ms < window.max_wait_ms
-    assert slow.window.max_wait_ms > window.max_wait_ms
-    assert slow.window.max_wait_ms <= 100  # a tenth of the 1 s SLO
+    # 1.5 x 6 missing sequences / 5 per s would be 1.8 s; a tenth of the 1 s SLO is 100 ms; the profile's is 60.
+    assert slow.window.max_wait_ms == 60
+
+
+def test_a_wait_at_the_profiles_own_does_not_rise_at_light_load() -> None:
+    # Issue 31: a wait raised while the engine idles is still in force when the next burst comes.
+    spec = make_policy_spec(tuning={"maxStepFraction": 1.0, "cooldownSeconds": 0})
+    window = Window.from_fields(spec.window, generation=3)
+    obs = make_observations(p99_s=0.1, mean_batch_size=2.0, arrival_rate_per_s=5.0, tokens_per_s=5.0)
+    state = PolicyState()
+    for i in range(10):
+        decision = decide(spec, window, obs, state, 100.0 + 15 * i)
+        state, window = decision.state, decision.window
+    assert window.max_wait_ms <= spec.window.max_wait_ms
 
 
 def test_window_outside_bounds_is_clamped_at_once() -> None:
@@ -547,10 +578,13 @@ def test_window_outside_bounds_is_clamped_at_once() -> None:
     assert decision.window.hard_cap == 64
 
 
-def test_tail_ratio_rises_when_marking_catches_everyone() -> None:
+def test_tail_ratio_rises_when_marking_catches_everyone_up_to_the_profiles_own() -> None:
     obs = make_observations(p99_s=2.0, tail_marked_share=0.5)
-    decision = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
+    decision = decide(make_policy_spec(window={"tailMarkRatio": 3.0}), WINDOW, obs, PolicyState(), 100.0)
     assert decision.window.tail_mark_ratio == pytest.approx(2.25)
+    # At the profile's own ratio it stays: a higher one only holds requests for the rest of the wait.
+    at_own = decide(make_policy_spec(), WINDOW, obs, PolicyState(), 100.0)
+    assert at_own.window.tail_mark_ratio == WINDOW.tail_mark_ratio
 
 
 def test_tail_ratio_stays_when_the_new_window_has_no_wait() -> None:
@@ -591,11 +625,12 @@ def test_a_busy_engine_gets_no_wait_and_a_target_its_batch_fills() -> None:
 def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
     # The same load shape at 20 tokens/s: the engine decodes 4 % of the time, so a wait lets
     # arrivals share a prefill step; it follows the arrival rate up as before.
-    spec, window = starting_at(4, 64, 5)
+    spec = make_policy_spec(window={"targetBatchSize": 4, "hardCap": 64, "maxWaitMs": 20})
+    window = Window.from_fields(spec.window.model_copy(update={"max_wait_ms": 5}), generation=3)
     obs = make_observations(
         p99_s=0.2, mean_batch_size=2.0, arrival_rate_per_s=20.0, tokens_per_s=20.0, step_s_by_batch={2: 0.004}
     )
-    # A raise waits for its confirmation (noise must not flip it), then comes.
+    # A raise (up to the profile's own 20 ms) waits for its confirmation (noise must not flip it), then comes.
     state = PolicyState()
     for i in range(DEFAULT_CONFIG.dead_band_confirm_intervals):
         decision = decide(spec, window, obs, state, 100.0 + 15 * i)
@@ -603,7 +638,7 @@ def test_an_idle_engine_still_waits_for_sparse_arrivals() -> None:
         if decision.changed:
             break
     assert 0 < i < DEFAULT_CONFIG.dead_band_confirm_intervals
-    assert decision.window.max_wait_ms > window.max_wait_ms
+    assert window.max_wait_ms < decision.window.max_wait_ms <= 20
     assert decision.direction == "up"
     assert "raising the wait" in decision.reason and "as far as arrivals fill them" in decision.reason
 

@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, LatencyMetric, WindowBounds
+from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate
 from batchpilot_operator.tuning.limits import WAIT_MIN_STEP_MS, cap_floor, limit_ratio, limit_size, limit_wait
-from batchpilot_operator.tuning.observations import Observations, known, share_above
+from batchpilot_operator.tuning.observations import Observations, known
 from batchpilot_runtime.contract.window import Window
 
 Direction = Literal["up", "down", "hold", "reset"]
@@ -101,44 +101,6 @@ def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
     if obs.itl_p99_saturated:
         return math.inf
     return obs.itl_p99_s * 1000.0 / target_ms if known(obs.itl_p99_s) else math.nan
-
-
-def hour_gap_share(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> float | None:
-    """The share of the last hour's gaps over the inter-token target; None without an inter-token
-    target, a readable interval (unknown or saturated), the hour's histogram or enough gaps in it."""
-    target_ms = spec.slo.inter_token_p99_ms
-    if target_ms is None or obs.itl_p99_saturated or not known(obs.itl_p99_s) or not obs.itl_window_buckets:
-        return None
-    if obs.itl_window_buckets[-1][1] < config.gap_budget_min_gaps:
-        return None
-    share = share_above(target_ms / 1000.0, obs.itl_window_buckets)
-    return share if known(share) else None
-
-
-def excused_gap_share(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> float | None:
-    """The share of the last hour's gaps over the inter-token target when this interval's gap P99
-    is over that target but within what the error budget excuses (see ``PolicyConfig``); None
-    when nothing is excused (within target, too far over, saturated, the budget spent, too few
-    gaps in the hour, or no hour's histogram)."""
-    share = hour_gap_share(spec, obs, config)
-    if share is None or spec.slo.inter_token_p99_ms is None:
-        return None
-    target_s = spec.slo.inter_token_p99_ms / 1000.0
-    if obs.itl_p99_s <= target_s:
-        return None
-    spent = min(1.0, share / config.gap_budget_share / config.gap_budget_aim)
-    tolerance = config.gap_excuse_ratio + (1.0 - config.gap_excuse_ratio) * spent
-    return share if obs.itl_p99_s * tolerance <= target_s else None
-
-
-def gap_payback(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> tuple[float, float] | None:
-    """``(share, factor)`` when the last hour spent more than the gaps' error budget: its share over
-    the target, and the factor (over 1, at most ``gap_payback_max``) by which this interval's gap P99
-    is read longer until the hour is back within budget; None otherwise."""
-    share = hour_gap_share(spec, obs, config)
-    if share is None or share <= config.gap_budget_share:
-        return None
-    return share, min(config.gap_payback_max, share / config.gap_budget_share)
 
 
 def slo_over(spec: BatchProfileSpec, obs: Observations) -> bool | None:
@@ -241,18 +203,18 @@ def latency_cut(fraction: float, reading: Reading) -> float:
 def desired_wait_ms(spec: BatchProfileSpec, target: int, obs: Observations, config: PolicyConfig) -> float:
     """The wait that lets arrivals fill the gap between the running batch and the target.
 
-    Unknown or zero arrival rate: the longest the bounds and the SLO budget allow. An engine
-    that decodes most of the time: the shortest. Under continuous batching a held-back request
-    joins a step that runs anyway, so the wait saves no step there and only adds its latency; it
-    only merges prefills into one step when the engine would otherwise idle.
+    Unknown or zero arrival rate: the longest the bounds, the SLO budget and the profile's own
+    wait allow. An engine that decodes most of the time: the shortest. Under continuous batching a
+    held-back request joins a step that runs anyway, so the wait saves no step there and only adds
+    its latency; it only merges prefills into one step when the engine would otherwise idle, which
+    saves steps nobody waits for. So it never rises past the profile's own wait
+    (:func:`wait_ceiling_ms`).
     """
     bound = spec.tuning.bounds.max_wait_ms
     busy = busy_share(obs)
     if known(busy) and busy >= config.busy_share_no_wait:
         return float(bound.min)
-    slo_ms = spec.slo.p99_ms
-    # Without a latency objective of its own, the wait is only bounded by the bounds.
-    budget_ms = float(bound.max) if slo_ms is None else min(float(bound.max), config.wait_slo_fraction * slo_ms)
+    budget_ms = wait_ceiling_ms(spec, config)
     running = obs.mean_batch_size if known(obs.mean_batch_size) else 0.0
     gap = max(1.0, target - running)
     rate = obs.arrival_rate_per_s
@@ -260,6 +222,21 @@ def desired_wait_ms(spec: BatchProfileSpec, target: int, obs: Observations, conf
         return max(float(bound.min), budget_ms)
     fill_ms = config.wait_fill_margin * gap / rate * 1000.0
     return max(float(bound.min), min(budget_ms, fill_ms))
+
+
+def wait_ceiling_ms(spec: BatchProfileSpec, config: PolicyConfig) -> float:
+    """The longest wait the policy moves to: the profile's own wait, within the bounds and never
+    above ``wait_slo_fraction`` of a first-token target.
+
+    A wait raised at light load is in force when the next burst comes, before the policy has seen
+    the burst: there it delays every admission, and what it saved (prefills merged while the engine
+    idled) no user waited for (issue 31: 20 -> 119 ms on a code-completion hour lost a fifth of the
+    capacity of the profile's window held still). A wait above the profile's is for the profile to
+    choose."""
+    bound = spec.tuning.bounds.max_wait_ms
+    ceiling = min(float(bound.max), float(max(bound.min, spec.window.max_wait_ms)))
+    slo_ms = spec.slo.p99_ms
+    return ceiling if slo_ms is None else max(float(bound.min), min(ceiling, config.wait_slo_fraction * slo_ms))
 
 
 def fillable_target(obs: Observations, wait_ms: int, config: PolicyConfig) -> float:
@@ -273,107 +250,6 @@ def fillable_target(obs: Observations, wait_ms: int, config: PolicyConfig) -> fl
 
 
 # ---- the moves -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BudgetMove:
-    """The prompt-token budget after one decision, and whether (and how) it moved."""
-
-    budget: int | None
-    change: Literal["lower", "raise"] | None = None  # None: it holds
-    itl_over: bool = False
-    first_tokens: bool = False  # a raise asked for by first tokens (else by prompts in the queue)
-
-
-def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
-    """Prompt tokens one step can prefill within the first-token target (inf when unknown).
-
-    A request that arrives as a step starts cannot begin its own prefill before that step ends, so
-    a step longer than the target makes it miss however short the queue is; a budget past this only
-    lets several long prompts share one such step."""
-    target_ms = spec.slo.p99_ms
-    per_token_s = obs.prefill_s_per_token
-    if target_ms is None or spec.slo.latency_metric != LatencyMetric.TTFT or not known(per_token_s):
-        return math.inf
-    return math.inf if per_token_s <= 0 else target_ms / 1000.0 / per_token_s
-
-
-def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, share: float, ratio: float) -> float:
-    """The budget factor that would bring the inter-token P99 to ``share`` of its target.
-
-    A gap is one step's time: its decodes' part stays and its prompt part grows by
-    ``prefill_s_per_token`` a token, so the room left under the target buys (room / cost per token)
-    more tokens. A budget read as proportional to the gap (``share / ratio``) underrates that room
-    by the decodes' share of the step. Proportional when the cost per token is unknown."""
-    target_ms = spec.slo.inter_token_p99_ms
-    per_token_s = obs.prefill_s_per_token
-    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
-        return share / max(ratio, 1e-3)
-    room_s = share * target_ms / 1000.0 - obs.itl_p99_s
-    return max(1.0, budget + room_s / per_token_s) / budget
-
-
-def budget_move(
-    spec: BatchProfileSpec,
-    window: Window,
-    obs: Observations,
-    ttft_ratio: float,
-    config: PolicyConfig,
-    ceiling: int | None = None,
-) -> BudgetMove:
-    """The budget from the two tails: see the policy's docstring. ``ttft_ratio`` is NaN when the SLO
-    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead."""
-    budget = window.max_prefill_tokens
-    ratio = itl_ratio(spec, obs)
-    if math.isnan(ratio):
-        return BudgetMove(budget)
-    bound = spec.tuning.bounds.max_prefill_tokens
-    fraction = spec.tuning.max_step_fraction
-    current = bound.max if budget is None else budget
-    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
-    # The gap grows about linearly with a step's prompt tokens and the first-token delay of a
-    # queue about inversely: sqrt(TTFT ratio / gap ratio) is the move that would balance the two.
-    # Without a first-token objective nothing holds a cut back (balance 0).
-    first_tokens = not math.isnan(ttft_ratio)
-    balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
-    if ratio > 1.0:
-        # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
-        factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
-        if factor > 1.0 - config.budget_min_change:
-            # First tokens at least as far over: a cut would only move the pain to the worse tail.
-            return BudgetMove(budget, itl_over=True)
-        new = limit_size(current, current * factor, fraction, bound.min, bound.max)
-        if new == budget:
-            return BudgetMove(budget, itl_over=True)
-        return BudgetMove(new, "lower", itl_over=True)
-    if budget is None:
-        return BudgetMove(budget)
-    # Without a first-token objective, prompts waiting in the queue are what asks for a larger budget.
-    first_tokens_wait = (
-        ttft_ratio > config.budget_raise_ttft_ratio
-        if first_tokens
-        else known(obs.queue_depth) and obs.queue_depth >= 1.0
-    )
-    if ratio < config.itl_raise_ratio and first_tokens_wait:
-        factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
-    elif ttft_ratio > 1.0:
-        # First tokens over, gaps within target but close: balance, never past the gap target, whose
-        # room is read from the step's own cost per prompt token.
-        factor = min(balance, gap_room_factor(spec, obs, current, config.itl_raise_top_ratio, ratio))
-    else:
-        return BudgetMove(budget)
-    if factor < 1.0 + config.budget_min_change:
-        return BudgetMove(budget)
-    step_top = prefill_top(spec, obs)
-    if step_top < top:
-        # The estimate moves a little every interval: a raise it would cut under the minimum change holds.
-        top = max(bound.min, int(step_top))
-        if top < current * (1.0 + config.budget_min_change):
-            return BudgetMove(budget)
-    new = limit_size(current, current * factor, fraction, bound.min, top)
-    if new <= budget:
-        return BudgetMove(budget)
-    return BudgetMove(new, "raise", first_tokens=first_tokens)
 
 
 def memory_move(spec: BatchProfileSpec, window: Window, reading: Reading) -> tuple[int, int]:
@@ -575,26 +451,31 @@ def _lower_unfilled_target(
     return TargetWaitMove(move.target, move.wait, move.cause, move.want_ms, lowered)
 
 
-def tail_ratio(
-    window: Window, new_wait: int, obs: Observations, fraction: float, bounds: WindowBounds, config: PolicyConfig
-) -> float:
-    """Raise the ratio when marking catches too many (marking too early marks everyone); drift back
-    towards the default when marking is rare again.
+def tail_ratio(spec: BatchProfileSpec, window: Window, new_wait: int, obs: Observations, config: PolicyConfig) -> float:
+    """Raise the ratio when marking catches too many (marking too early marks everyone), up to the
+    profile's own ratio; drift back towards the default when marking is rare again.
 
-    Left alone with no wait: every queued request is then admitted at the next step that has room,
-    oldest first, so marking changes nothing, and the share it reports only measures step length
-    (the rolling P50 wait is half a step).
+    A marked request is admitted at once, so a higher ratio only holds requests for the rest of the
+    wait: it never shortens a latency, and a ratio raised at light load still holds them when the
+    next burst comes (issue 31: 2 -> 4 on a code-completion hour). Past the profile's ratio it is
+    the profile's to choose. Left alone with no wait: every queued request is then admitted at the
+    next step that has room, oldest first, so marking changes nothing, and the share it reports only
+    measures step length (the rolling P50 wait is half a step).
     """
     current = window.tail_mark_ratio
     share = obs.tail_marked_share
+    bounds = spec.tuning.bounds
     if not known(share) or new_wait == 0:
         return current
     if share > config.tail_share_high:
-        desired = current + 0.25
+        if current >= spec.window.tail_mark_ratio:
+            return current
+        desired = min(current + 0.25, spec.window.tail_mark_ratio)
     elif share < config.tail_share_low and current > config.default_tail_ratio:
         desired = max(config.default_tail_ratio, current - 0.25)
     else:
         return current
+    fraction = spec.tuning.max_step_fraction
     return limit_ratio(current, desired, fraction, bounds.tail_mark_ratio.min, bounds.tail_mark_ratio.max)
 
 

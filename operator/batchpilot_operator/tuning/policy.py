@@ -44,12 +44,14 @@ fills it (half the running batch plus a third of the arrivals expected within th
 so that admissions fire on the target rather than on the timer), never past the
 measured knee in ``auto`` mode, where throughput stops growing with the batch. The
 wait follows the arrival rate: 1.5x the time arrivals take to fill the gap between
-the running batch and the target, so short under heavy load and longer (up to the
-bound) under light load, never above a tenth of the SLO (a wait is latency spent for
-sure), and left alone when the running batch already exceeds the target (then every
+the running batch and the target, so short under heavy load and longer under light
+load, but never past the profile's own wait (nor the bound, nor a tenth of the SLO: a wait
+is latency spent for sure), since a wait raised while the engine idles is still in force
+when the next burst comes, before the policy has seen it (issue 31), and left alone when the running batch already exceeds the target (then every
 arrival is admitted at once and the wait never fires). The tail-mark ratio stays at
 2.0 unless more than a fifth of admissions get marked (marking too early marks
-everyone): then it rises by 0.25, and drifts back when marking becomes rare; it only
+everyone): then it rises by 0.25, up to the profile's own ratio (a marked request is
+admitted at once, so a higher ratio never shortens a latency), and drifts back when marking becomes rare; it only
 moves together with another field, never as a decision of its own, and not
 at all when the new window has no wait (every queued request is then admitted
 at the next step with room, oldest first, so marking changes nothing).
@@ -92,10 +94,10 @@ The gaps' target is a P99: 1 % of the gaps may run over it, the SLO's error budg
 whose gap P99 is over its target by at most 1/0.9 is read at the target (no cut, no ceiling) while
 the last hour's share of gaps over the target (``Observations.itl_window_buckets``) is under 0.8 %,
 the excuse narrowing linearly to nothing as that share reaches it; raises always read the interval
-as it is (:func:`batchpilot_operator.tuning.moves.excused_gap_share`). An hour that spent more than
+as it is (:func:`batchpilot_operator.tuning.budget.excused_gap_share`). An hour that spent more than
 the 1 % is paid back: each interval's gap P99 is read longer by the hour's share over 1 %, at most
 5 %, so cuts go a little deeper and raises stop a little lower until the hour is back within budget
-(:func:`batchpilot_operator.tuning.moves.gap_payback`).
+(:func:`batchpilot_operator.tuning.budget.gap_payback`).
 
 An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place
 of the P99 above wherever it decides alone: the data gate, headroom and the dead band; nothing
@@ -117,6 +119,7 @@ from dataclasses import dataclass, field, replace
 
 from batchpilot_operator.api.profile import BatchProfileSpec, WindowBounds
 from batchpilot_operator.tuning import reasons
+from batchpilot_operator.tuning.budget import budget_move, excused_gap_share, gap_payback
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate, measure, merge_curve
 from batchpilot_operator.tuning.limits import (
     RATIO_MIN_STEP,
@@ -132,13 +135,10 @@ from batchpilot_operator.tuning.moves import (
     Direction,
     PolicyConfig,
     Reading,
-    budget_move,
     busy_share,
     cap_move,
     desired_wait_ms,
     direction,
-    excused_gap_share,
-    gap_payback,
     itl_ratio,
     latency_ratio,
     memory_move,
@@ -278,7 +278,7 @@ def decide(
     in_force = (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.max_prefill_tokens)
     tail = window.tail_mark_ratio
     if (new_target, new_cap, new_wait, budget.budget) != in_force:
-        tail = tail_ratio(window, new_wait, obs, spec.tuning.max_step_fraction, bounds, config)
+        tail = tail_ratio(spec, window, new_wait, obs, config)
     if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
         return hold(reasons.hold(spec, seen, reading, confirmed), state)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from batchpilot_operator.api.profile import BatchProfileSpec
-from batchpilot_operator.tuning.moves import BudgetMove, CapMove, PolicyConfig, Reading, TargetWaitMove
+from batchpilot_operator.tuning.budget import BudgetMove
+from batchpilot_operator.tuning.moves import CapMove, PolicyConfig, Reading, TargetWaitMove
 from batchpilot_operator.tuning.observations import Observations, known
 from batchpilot_runtime.contract.window import Window
 

@@ -1,0 +1,159 @@
+"""The prompt-token budget's move, and the inter-token SLO's error budget it reads.
+
+The budget is the lever between the two tails an iteration-level engine trades (see the policy's
+docstring): :func:`budget_move` moves it by the ratio of each P99 to its target, at most one step per
+decision and within ``tuning.bounds``. :func:`excused_gap_share` and :func:`gap_payback` read the
+last hour's share of gaps over the inter-token target. Pure: nothing here reads a clock or the
+policy's memory; the ceiling a cut set is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from batchpilot_operator.api.profile import BatchProfileSpec, LatencyMetric
+from batchpilot_operator.tuning.limits import limit_size
+from batchpilot_operator.tuning.moves import PolicyConfig, itl_ratio
+from batchpilot_operator.tuning.observations import Observations, known, share_above
+from batchpilot_runtime.contract.window import Window
+
+
+def hour_gap_share(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> float | None:
+    """The share of the last hour's gaps over the inter-token target; None without an inter-token
+    target, a readable interval (unknown or saturated), the hour's histogram or enough gaps in it."""
+    target_ms = spec.slo.inter_token_p99_ms
+    if target_ms is None or obs.itl_p99_saturated or not known(obs.itl_p99_s) or not obs.itl_window_buckets:
+        return None
+    if obs.itl_window_buckets[-1][1] < config.gap_budget_min_gaps:
+        return None
+    share = share_above(target_ms / 1000.0, obs.itl_window_buckets)
+    return share if known(share) else None
+
+
+def excused_gap_share(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> float | None:
+    """The share of the last hour's gaps over the inter-token target when this interval's gap P99
+    is over that target but within what the error budget excuses (see ``PolicyConfig``); None
+    when nothing is excused (within target, too far over, saturated, the budget spent, too few
+    gaps in the hour, or no hour's histogram)."""
+    share = hour_gap_share(spec, obs, config)
+    if share is None or spec.slo.inter_token_p99_ms is None:
+        return None
+    target_s = spec.slo.inter_token_p99_ms / 1000.0
+    if obs.itl_p99_s <= target_s:
+        return None
+    spent = min(1.0, share / config.gap_budget_share / config.gap_budget_aim)
+    tolerance = config.gap_excuse_ratio + (1.0 - config.gap_excuse_ratio) * spent
+    return share if obs.itl_p99_s * tolerance <= target_s else None
+
+
+def gap_payback(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> tuple[float, float] | None:
+    """``(share, factor)`` when the last hour spent more than the gaps' error budget: its share over
+    the target, and the factor (over 1, at most ``gap_payback_max``) by which this interval's gap P99
+    is read longer until the hour is back within budget; None otherwise."""
+    share = hour_gap_share(spec, obs, config)
+    if share is None or share <= config.gap_budget_share:
+        return None
+    return share, min(config.gap_payback_max, share / config.gap_budget_share)
+
+
+@dataclass(frozen=True)
+class BudgetMove:
+    """The prompt-token budget after one decision, and whether (and how) it moved."""
+
+    budget: int | None
+    change: Literal["lower", "raise"] | None = None  # None: it holds
+    itl_over: bool = False
+    first_tokens: bool = False  # a raise asked for by first tokens (else by prompts in the queue)
+
+
+def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
+    """Prompt tokens one step can prefill within the first-token target (inf when unknown).
+
+    A request that arrives as a step starts cannot begin its own prefill before that step ends, so
+    a step longer than the target makes it miss however short the queue is; a budget past this only
+    lets several long prompts share one such step."""
+    target_ms = spec.slo.p99_ms
+    per_token_s = obs.prefill_s_per_token
+    if target_ms is None or spec.slo.latency_metric != LatencyMetric.TTFT or not known(per_token_s):
+        return math.inf
+    return math.inf if per_token_s <= 0 else target_ms / 1000.0 / per_token_s
+
+
+def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, share: float, ratio: float) -> float:
+    """The budget factor that would bring the inter-token P99 to ``share`` of its target.
+
+    A gap is one step's time: its decodes' part stays and its prompt part grows by
+    ``prefill_s_per_token`` a token, so the room left under the target buys (room / cost per token)
+    more tokens. A budget read as proportional to the gap (``share / ratio``) underrates that room
+    by the decodes' share of the step. Proportional when the cost per token is unknown."""
+    target_ms = spec.slo.inter_token_p99_ms
+    per_token_s = obs.prefill_s_per_token
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
+        return share / max(ratio, 1e-3)
+    room_s = share * target_ms / 1000.0 - obs.itl_p99_s
+    return max(1.0, budget + room_s / per_token_s) / budget
+
+
+def budget_move(
+    spec: BatchProfileSpec,
+    window: Window,
+    obs: Observations,
+    ttft_ratio: float,
+    config: PolicyConfig,
+    ceiling: int | None = None,
+) -> BudgetMove:
+    """The budget from the two tails: see the policy's docstring. ``ttft_ratio`` is NaN when the SLO
+    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead."""
+    budget = window.max_prefill_tokens
+    ratio = itl_ratio(spec, obs)
+    if math.isnan(ratio):
+        return BudgetMove(budget)
+    bound = spec.tuning.bounds.max_prefill_tokens
+    fraction = spec.tuning.max_step_fraction
+    current = bound.max if budget is None else budget
+    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
+    # The gap grows about linearly with a step's prompt tokens and the first-token delay of a
+    # queue about inversely: sqrt(TTFT ratio / gap ratio) is the move that would balance the two.
+    # Without a first-token objective nothing holds a cut back (balance 0).
+    first_tokens = not math.isnan(ttft_ratio)
+    balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
+    if ratio > 1.0:
+        # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
+        factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
+        if factor > 1.0 - config.budget_min_change:
+            # First tokens at least as far over: a cut would only move the pain to the worse tail.
+            return BudgetMove(budget, itl_over=True)
+        new = limit_size(current, current * factor, fraction, bound.min, bound.max)
+        if new == budget:
+            return BudgetMove(budget, itl_over=True)
+        return BudgetMove(new, "lower", itl_over=True)
+    if budget is None:
+        return BudgetMove(budget)
+    # Without a first-token objective, prompts waiting in the queue are what asks for a larger budget.
+    first_tokens_wait = (
+        ttft_ratio > config.budget_raise_ttft_ratio
+        if first_tokens
+        else known(obs.queue_depth) and obs.queue_depth >= 1.0
+    )
+    if ratio < config.itl_raise_ratio and first_tokens_wait:
+        factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
+    elif ttft_ratio > 1.0:
+        # First tokens over, gaps within target but close: balance, never past the gap target, whose
+        # room is read from the step's own cost per prompt token.
+        factor = min(balance, gap_room_factor(spec, obs, current, config.itl_raise_top_ratio, ratio))
+    else:
+        return BudgetMove(budget)
+    if factor < 1.0 + config.budget_min_change:
+        return BudgetMove(budget)
+    step_top = prefill_top(spec, obs)
+    if step_top < top:
+        # The estimate moves a little every interval: a raise it would cut under the minimum change holds.
+        top = max(bound.min, int(step_top))
+        if top < current * (1.0 + config.budget_min_change):
+            return BudgetMove(budget)
+    new = limit_size(current, current * factor, fraction, bound.min, top)
+    if new <= budget:
+        return BudgetMove(budget)
+    return BudgetMove(new, "raise", first_tokens=first_tokens)
