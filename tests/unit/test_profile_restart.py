@@ -82,3 +82,34 @@ def test_bad_budget_fields_are_named_by_both(field: str, value: Any, where: str)
     text, errors = both_errors(restart_spec(**{field: value}))
     assert where in text
     assert errors
+
+
+GATED_BUDGET = (
+    "engine llamacpp in tuning.mode adaptive or static cannot take slo.interTokenP99Ms or window.maxPrefillTokens: "
+    "they move the per-step prompt budget, which batchpilot-gate cannot bound; use tuning.mode recommend or "
+    "restart (the budget becomes --batch-size)"
+)
+BUDGET_ASKS: dict[str, dict[str, Any]] = {
+    "inter-token objective": {"slo": {"p99Ms": 500, "interTokenP99Ms": 50}},
+    "prompt budget": {"window": {"targetBatchSize": 8, "hardCap": 16, "maxWaitMs": 40, "maxPrefillTokens": 256}},
+}
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "static"])
+@pytest.mark.parametrize("asks", sorted(BUDGET_ASKS))
+def test_a_llamacpp_profile_tuned_through_the_gate_cannot_ask_for_a_prompt_budget(mode: str, asks: str) -> None:
+    # The gate refuses a window with maxPrefillTokens (422): such a profile would never be in sync.
+    text, errors = both_errors(make_spec_dict(engine="llamacpp", tuning={"mode": mode}, **BUDGET_ASKS[asks]))
+    assert GATED_BUDGET in text
+    assert errors == [f"spec: {GATED_BUDGET}"]
+
+
+@pytest.mark.parametrize("asks", sorted(BUDGET_ASKS))
+def test_a_llamacpp_profile_that_restarts_or_recommends_may_ask_for_a_prompt_budget(asks: str) -> None:
+    recommending = make_spec_dict(engine="llamacpp", tuning=None, **BUDGET_ASKS[asks])
+    restarting = make_spec_dict(
+        engine="llamacpp", tuning={"mode": "restart"}, restart={"workload": WORKLOAD}, **BUDGET_ASKS[asks]
+    )
+    for spec in (recommending, restarting):
+        parse_spec(spec)
+        assert validate_object(CRD, make_manifest(spec))[1] == []

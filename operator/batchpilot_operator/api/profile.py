@@ -279,6 +279,13 @@ class RuntimeEndpoint(CamelModel):
 VLLM_MODE_MESSAGE = "engine vllm supports only tuning.mode recommend or restart (vLLM takes a window only at start-up)"
 RESTART_ENGINE_MESSAGE = "tuning.mode restart is for engine vllm, sglang or llamacpp (batchpilot takes a window live)"
 RESTART_BUDGET_MESSAGE = "tuning.mode restart needs spec.restart (the workload and its restart budget)"
+# Live, a llama-server's window goes through batchpilot-gate, which bounds running requests but not prompt
+# tokens per step; the budget reaches llama-server only as --batch-size, by a restart.
+GATED_BUDGET_MESSAGE = (
+    "engine llamacpp in tuning.mode adaptive or static cannot take slo.interTokenP99Ms or window.maxPrefillTokens: "
+    "they move the per-step prompt budget, which batchpilot-gate cannot bound; use tuning.mode recommend or "
+    "restart (the budget becomes --batch-size)"
+)
 
 _BATCH_PROFILE_RULES: list[JsonValue] = [
     {
@@ -324,6 +331,12 @@ _BATCH_PROFILE_RULES: list[JsonValue] = [
     {
         "rule": "!has(self.tuning) || !has(self.tuning.mode) || self.tuning.mode != 'restart' || has(self.restart)",
         "message": RESTART_BUDGET_MESSAGE,
+    },
+    {
+        "rule": "!has(self.engine) || self.engine != 'llamacpp' || !has(self.tuning) || !has(self.tuning.mode) || "
+        "self.tuning.mode == 'recommend' || self.tuning.mode == 'restart' || "
+        "(!has(self.slo.interTokenP99Ms) && !has(self.window.maxPrefillTokens))",
+        "message": GATED_BUDGET_MESSAGE,
     },
     CANARY_RULE,
 ]
@@ -387,6 +400,8 @@ class BatchProfileSpec(CamelModel):
     def _cross_field(self) -> BatchProfileSpec:
         problems = cross_field_problems(self.window, self.tuning.bounds, self.lanes)
         problems.extend(engine_mode_problems(self.engine, self.tuning.mode, has_restart=self.restart is not None))
+        moves_budget = self.slo.inter_token_p99_ms is not None or self.window.max_prefill_tokens is not None
+        problems.extend(gated_budget_problems(self.engine, self.tuning.mode, moves_budget=moves_budget))
         problems.extend(canary_problems(self.tuning.canary, self.engine.value, self.mode.value))
         if problems:
             raise ValueError("; ".join(problems))
@@ -408,6 +423,12 @@ def engine_mode_problems(engine: EngineKind | None, mode: TuningMode | None, *, 
     if mode == TuningMode.RESTART and not has_restart:
         problems.append(RESTART_BUDGET_MESSAGE)
     return problems
+
+
+def gated_budget_problems(engine: EngineKind | None, mode: TuningMode | None, *, moves_budget: bool) -> list[str]:
+    """A llama-server profile tuned live (through the gate) that asks for a per-step prompt budget."""
+    live = mode in (TuningMode.ADAPTIVE, TuningMode.STATIC)
+    return [GATED_BUDGET_MESSAGE] if engine == EngineKind.LLAMACPP and live and moves_budget else []
 
 
 def cross_field_problems(window: WindowFields | None, bounds: WindowBounds | None, lanes: list[Lane]) -> list[str]:
@@ -483,7 +504,15 @@ def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
     problems = cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
     engine = _enum_part(EngineKind, spec.get("engine", EngineKind.BATCHPILOT.value))
     mode = _enum_part(TuningMode, tuning.get("mode")) if isinstance(tuning, dict) else None
-    return problems + engine_mode_problems(engine, mode, has_restart=isinstance(spec.get("restart"), dict))
+    slo = spec.get("slo")
+    moves_budget = (isinstance(slo, dict) and slo.get("interTokenP99Ms") is not None) or (
+        isinstance(spec.get("window"), dict) and spec["window"].get("maxPrefillTokens") is not None
+    )
+    return (
+        problems
+        + engine_mode_problems(engine, mode, has_restart=isinstance(spec.get("restart"), dict))
+        + gated_budget_problems(engine, mode, moves_budget=moves_budget)
+    )
 
 
 def _enum_part(enum: type[_E], value: Any) -> _E | None:
