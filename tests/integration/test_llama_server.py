@@ -30,30 +30,20 @@ from batchpilot_runtime.contract.window import Window
 from tests.integration.gate_process import GateThread, gate_thread
 from tests.integration.llama_server_process import (
     LlamaServer,
-    LlamaServerMissing,
     MetricsSampler,
     llama_server,
     llama_server_args,
-    llama_server_binary,
     llamacpp_metrics,
 )
 from tests.integration.raw_http import connect, post_head
 from tests.integration.runtime_process import wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("llama_server_built")]
 
 SLOTS = 4  # llama-server's own --parallel: room for more than the gate's cap
 SLOT_CTX = 1024
 GATE_CAP = 2
 MODEL = "smollm2"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> Path:
-    try:
-        return llama_server_binary()
-    except LlamaServerMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -50,15 +50,13 @@ from tests.integration.gate_process import GateThread, gate_thread
 from tests.integration.kmock_cluster import wait_for
 from tests.integration.llama_server_process import (
     LlamaServer,
-    LlamaServerMissing,
     llama_server,
     llama_server_args,
-    llama_server_binary,
     llamacpp_metrics,
 )
 
 # A busy 2-core host: llama-server on one thread, calibration, a step and a recovery of a few intervals each.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("llama_server_built")]
 
 SLOTS = 8  # llama-server's --parallel, and the gate's --max-hard-cap
 SLOT_CTX = 256
@@ -83,14 +81,6 @@ STEP_OVER_CAPACITY = 3.0
 GATE_MAX_QUEUE = 64  # past it the step's excess is refused (429): the P99 grows, but stays inside the buckets
 WAIT_INTERVALS = 30  # guards, in operator intervals, for each condition awaited
 _seeds = itertools.count(1)  # a new seed per run: llama-server caches each slot's prompt
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> Path:
-    try:
-        return llama_server_binary()
-    except LlamaServerMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
 
 
 @pytest.fixture
