@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make demo   sets up this machine and runs the demo (no cluster needed)
 #   make test   sets up this machine and runs every check (ruff, mypy, pytest); it builds llama.cpp's
-#               llama-server once per machine (about half an hour on two busy cores) for its tests
+#               llama-server (about half an hour on two busy cores) and a Kubernetes control plane
+#               (kube-apiserver and etcd, from Go modules) once per machine for its tests
 # Both are idempotent: a second run reuses the virtual environment.
 
 SHELL := /bin/bash
@@ -20,7 +21,7 @@ CACHE_DIR ?= $(HOME)/.cache/batchpilot
 PY_TAG := $(shell $(PYTHON) -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 TORCH_DIR ?= $(CACHE_DIR)/torch-$(TORCH_VERSION)-$(PY_TAG)
 
-.PHONY: setup demo test lint typecheck crds docs system-deps llama-server clean
+.PHONY: setup demo test lint typecheck crds docs system-deps llama-server control-plane clean
 
 setup: $(STAMP)
 
@@ -46,6 +47,13 @@ LLAMA_SERVER := BATCHPILOT_CACHE_DIR=$(CACHE_DIR) scripts/llama-server.sh
 llama-server: setup
 	PYTHON=$(BIN)/python $(LLAMA_SERVER)
 
+# kube-apiserver v1.37.2 and etcd, built with Go from the wrapper modules in tools/control-plane/
+# once per machine into $(CACHE_DIR)/control-plane/; the tests against a real API server start them
+# with scripts/control-plane.sh. The last line printed is the folder holding both binaries.
+CONTROL_PLANE := BATCHPILOT_CACHE_DIR=$(CACHE_DIR) scripts/build-control-plane.sh
+control-plane:
+	$(CONTROL_PLANE)
+
 demo: setup
 	$(BIN)/batchpilot-operator demo $(DEMO_ARGS)
 
@@ -62,8 +70,10 @@ crds: setup
 docs: setup
 	$(BIN)/python scripts/update-reference-doc.py
 
-test: setup system-deps lint typecheck llama-server
-	BATCHPILOT_LLAMA_SERVER="$$($(LLAMA_SERVER) --path)" $(BIN)/python -m pytest $(PYTEST_ARGS)
+test: setup system-deps lint typecheck llama-server control-plane
+	BATCHPILOT_LLAMA_SERVER="$$($(LLAMA_SERVER) --path)" \
+	BATCHPILOT_CONTROL_PLANE="$$($(CONTROL_PLANE) --path)" \
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
