@@ -2,7 +2,9 @@
 green one stays green on an unchanged tree, and it never fails a test for taking long (a test does
 not judge wall-clock time; a busy host must not turn an example red). ``HYPOTHESIS_PROFILE=explore``
 searches with fresh random examples, and more of them where a test does not set its own count, to
-find what the fixed ones miss."""
+find what the fixed ones miss.
+
+``control_plane``: one real kube-apiserver and etcd for the whole session (tests/support/control_plane.py)."""
 
 from __future__ import annotations
 

@@ -183,7 +183,7 @@ async def test_tokens_reach_only_pods_of_their_profiles_namespace(
         )
         assert "the operator's admin token goes only to pods in namespaces default, not 'other'" in withheld["message"]
         refused = await wait_for(lambda: condition(cluster, "stranger", "Ready"), 30, "the stranger's condition")
-        assert refused["reason"] == "InvalidSpec" and "adminTokenSecret: namespace" in refused["message"]
+        assert refused["reason"] == "InvalidSpec" and "adminTokenSecret.namespace: " in refused["message"]
         assert home.authorizations and set(home.authorizations) == {"Bearer ml-secret-token"}
         assert away.authorizations == []
         assert operator.process.poll() is None, operator.log_text()[-3000:]

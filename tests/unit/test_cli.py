@@ -85,7 +85,7 @@ def test_validate_prints_every_error_of_a_file_in_one_run(tmp_path: Path, capsys
     assert len(lines) == 3, lines
     assert "spec.slo.p99Ms: Input should be greater than 0" in lines[0]
     assert "window.maxWaitMs must lie within tuning.bounds (maxWaitMs bounds are 0..500)" in lines[1]
-    assert "lanes[].name must be unique; repeated: c" in lines[2]
+    assert "lanes[1].name 'c' repeats lanes[0].name; lane names must be unique" in lines[2]
 
 
 def test_validate_fails_on_a_folder_without_profiles(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -46,7 +46,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
         ({"tuning": {"mode": "auto"}}, ["spec.tuning.mode"]),
         (
             {"lanes": [{"name": "Critical!", "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}]},
-            ["spec.lanes.0.name"],
+            ["spec.lanes[0].name"],
         ),
         (
             {
@@ -58,7 +58,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
         ),
         (
             {"lanes": [{"name": "c", "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}}] * 2},
-            ["lanes[].name", "c"],
+            ["spec: lanes[1].name 'c' repeats lanes[0].name"],
         ),
         ({"windw": {}}, ["spec.windw"]),
     ],
@@ -99,8 +99,25 @@ def test_field_and_cross_field_errors_come_together() -> None:
     assert caught.value.problems == [
         "spec.tuning.cooldownSeconds: Input should be greater than or equal to 0",
         "spec: window.hardCap must lie within tuning.bounds (hardCap bounds are 1..8)",
-        "spec: lanes[].name must be unique; repeated: c",
+        "spec: lanes[1].name 'c' repeats lanes[0].name; lane names must be unique",
         "spec: lanes[c].reservedSlots (32) must not exceed window.hardCap (16)",
+    ]
+
+
+def test_a_windows_rule_is_checked_beside_its_field_errors_as_the_api_server_does() -> None:
+    # pydantic skips WindowFields' rule once a field of it fails; kube-apiserver evaluates the CEL rule anyway.
+    window = {"targetBatchSize": 16, "hardCap": 8, "maxWaitMs": -5, "tailMarkRatio": 0.5}
+    lane = {"name": "c", "window": {"targetBatchSize": 4, "hardCap": 2, "maxWaitMs": -1}}
+    with pytest.raises(ProfileError) as caught:
+        parse_spec(make_spec_dict(window=window, lanes=[lane]))
+    assert caught.value.problems == [
+        "spec.window.maxWaitMs: Input should be greater than or equal to 0",
+        "spec.window.tailMarkRatio: Input should be greater than 1",
+        "spec.lanes[0].window.maxWaitMs: Input should be greater than or equal to 0",
+        "spec.window: targetBatchSize (16) must be less than or equal to hardCap (8)",
+        "spec.lanes[0].window: targetBatchSize (4) must be less than or equal to hardCap (2)",
+        "spec: window.maxWaitMs, window.tailMarkRatio must lie within tuning.bounds (maxWaitMs bounds are 0..500; "
+        "tailMarkRatio bounds are 1.5..4)",
     ]
 
 

@@ -133,7 +133,7 @@ def test_a_secret_of_another_namespace_is_refused_at_parse_naming_the_field() ->
     with pytest.raises(ProfileError) as caught:
         parse_spec(make_spec({"name": "chat-admin", "namespace": "team-b"}))
     message = str(caught.value)
-    assert message.startswith("spec.runtime.adminTokenSecret: namespace: 'team-b' is not allowed")
+    assert message.startswith("spec.runtime.adminTokenSecret.namespace: 'team-b' is not allowed")
     assert "only a Secret of its own namespace" in message
 
 
@@ -161,7 +161,7 @@ async def test_a_profile_naming_a_secret_of_another_namespace_reads_and_sends_no
     assert cluster.sink.secret_reads == []
     assert cluster.authorizations(pod_a) == [] and cluster.authorizations(pod_b) == []
     ready = cluster.sink.condition("team-a/chat", "Ready")
-    assert ready["reason"] == "InvalidSpec" and "spec.runtime.adminTokenSecret: namespace" in ready["message"]
+    assert ready["reason"] == "InvalidSpec" and "spec.runtime.adminTokenSecret.namespace: " in ready["message"]
 
 
 async def test_secret_reads_quote_the_path_and_stay_in_the_namespace() -> None:

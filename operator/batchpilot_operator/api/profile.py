@@ -11,11 +11,12 @@ and are re-exported here (the ``X as X`` imports), so they import from either.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
 from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from batchpilot_operator import API_VERSION, KIND
 from batchpilot_operator.api.bounds import FloatRange as FloatRange
@@ -31,6 +32,7 @@ from batchpilot_runtime.contract.window import (
     MAX_BATCH_SIZE,
     CamelModel,
     WindowFields,
+    target_within_cap_problem,
 )
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -96,8 +98,19 @@ class LabelSelectorRequirement(CamelModel):
     )
 
 
+SELECTOR_MESSAGE = "selector must have matchLabels or matchExpressions (an empty selector matches every pod)"
+
+
 class LabelSelector(CamelModel):
     """A Kubernetes label selector (matchLabels and matchExpressions are ANDed)."""
+
+    model_config = cel_rules(
+        (
+            "(has(self.matchLabels) && size(self.matchLabels) > 0)"
+            " || (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+            SELECTOR_MESSAGE,
+        )
+    )
 
     match_labels: dict[str, str] = Field(
         default_factory=dict, description="Labels a pod must carry with exactly these values."
@@ -109,7 +122,7 @@ class LabelSelector(CamelModel):
     @model_validator(mode="after")
     def _not_empty(self) -> LabelSelector:
         if not self.match_labels and not self.match_expressions:
-            raise ValueError("selector must have matchLabels or matchExpressions (an empty selector matches every pod)")
+            raise ValueError(SELECTOR_MESSAGE)
         return self
 
     def matches(self, labels: dict[str, str]) -> bool:
@@ -254,9 +267,15 @@ class SecretKeyRef(CamelModel):
     @classmethod
     def _own_namespace_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and "namespace" in data:
-            raise ValueError(
-                f"namespace: {data['namespace']!r} is not allowed: a profile may name only a Secret of its own "
-                "namespace; leave namespace out"
+            # An error at the field itself (spec.runtime.adminTokenSecret.namespace), as the API server names it.
+            problem = PydanticCustomError(
+                "value_error",
+                "{namespace} is not allowed: a profile may name only a Secret of its own namespace; leave "
+                "namespace out",
+                {"namespace": repr(data["namespace"])},
+            )
+            raise ValidationError.from_exception_data(
+                cls.__name__, [InitErrorDetails(type=problem, loc=("namespace",), input=data["namespace"])]
             )
         return data
 
@@ -444,10 +463,13 @@ def cross_field_problems(window: WindowFields | None, bounds: WindowBounds | Non
         if outside:
             names = ", ".join(f"window.{name}" for name in outside)
             problems.append(f"{names} must lie within tuning.bounds ({'; '.join(bounds.ranges_text(outside))})")
-    lane_names = [lane.name for lane in lanes]
-    duplicates = sorted({n for n in lane_names if lane_names.count(n) > 1})
-    if duplicates:
-        problems.append(f"lanes[].name must be unique; repeated: {', '.join(duplicates)}")
+    first_index: dict[str, int] = {}
+    for index, lane in enumerate(lanes):
+        if lane.name in first_index:
+            problems.append(
+                f"lanes[{index}].name {lane.name!r} repeats lanes[{first_index[lane.name]}].name; lane names must be unique"
+            )
+        first_index.setdefault(lane.name, index)
     if window is not None:
         problems.extend(
             f"lanes[{lane.name}].reservedSlots ({lane.reserved_slots}) must not exceed window.hardCap ({window.hard_cap})"
@@ -470,11 +492,18 @@ def validation_problems(error: ValidationError, prefix: str = "") -> list[str]:
     return _problem_lines(error.errors(), prefix)
 
 
+def field_path(prefix: str, loc: Sequence[int | str]) -> str:
+    """A field's path as kube-apiserver and kubectl write it: ``spec.lanes[0].window.hardCap``."""
+    path = prefix
+    for part in loc:
+        path = f"{path}[{part}]" if isinstance(part, int) else ".".join(p for p in (path, part) if p)
+    return path
+
+
 def _problem_lines(errors: list[ErrorDetails], prefix: str) -> list[str]:
     lines = []
     for problem in errors:
-        path = ".".join(str(part) for part in problem["loc"])
-        where = ".".join(p for p in (prefix, path) if p)
+        where = field_path(prefix, problem["loc"])
         message = problem["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {message}" if where else message)
     return lines
@@ -502,6 +531,9 @@ def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
     raw_lanes = spec.get("lanes", [])
     parsed_lanes = [_part(Lane, raw) for raw in raw_lanes] if isinstance(raw_lanes, list) else []
     problems = cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
+    if window is None or bounds is None:
+        raw_bounds = tuning.get("bounds", {}) if isinstance(tuning, dict) else None
+        problems = _raw_window_bounds_problems(spec.get("window"), raw_bounds) + problems
     engine = _enum_part(EngineKind, spec.get("engine", EngineKind.BATCHPILOT.value))
     mode = _enum_part(TuningMode, tuning.get("mode")) if isinstance(tuning, dict) else None
     slo = spec.get("slo")
@@ -513,6 +545,38 @@ def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
         + engine_mode_problems(engine, mode, has_restart=isinstance(spec.get("restart"), dict))
         + gated_budget_problems(engine, mode, moves_budget=moves_budget)
     )
+
+
+def _raw_window_bounds_problems(window: Any, bounds: Any) -> list[str]:
+    """window.X outside tuning.bounds.X, read from the raw values (an end left out takes its default), for
+    a window or bounds that did not validate: kube-apiserver evaluates its CEL rule on them anyway, so a
+    negative maxWaitMs or a reversed range is reported there beside the field error, and here too."""
+    if not isinstance(window, dict) or not isinstance(bounds, dict):
+        return []
+    outside, ranges = [], []
+    window_defaults = {str(f.alias): f.default for f in WindowFields.model_fields.values()}
+    for field in WindowBounds.model_fields.values():
+        alias = str(field.alias)
+        value, given, range_model = (
+            window.get(alias, window_defaults.get(alias)),
+            bounds.get(alias, {}),
+            field.annotation,
+        )
+        if not _is_number(value) or not isinstance(given, dict) or not isinstance(range_model, type):
+            continue
+        low = given.get("min", range_model.model_fields["min"].default)
+        high = given.get("max", range_model.model_fields["max"].default)
+        if _is_number(low) and _is_number(high) and not low <= value <= high:
+            outside.append(alias)
+            ranges.append(f"{alias} bounds are {low:g}..{high:g}")
+    if not outside:
+        return []
+    names = ", ".join(f"window.{name}" for name in outside)
+    return [f"{names} must lie within tuning.bounds ({'; '.join(ranges)})"]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _enum_part(enum: type[_E], value: Any) -> _E | None:
@@ -537,9 +601,31 @@ def parse_spec(spec: Any) -> BatchProfileSpec:
         # The spec-level rule errors (at the spec itself) are replaced by the per-part check.
         field_errors = [e for e in error.errors() if e["loc"] or e["type"] != "value_error"]
         lines = _problem_lines(field_errors, "spec")
+        lines.extend(_unchecked_window_rules(spec))
         lines.extend(f"spec: {problem}" for problem in _parts_cross_field_problems(spec))
         lines.extend(f"spec: {problem}" for problem in _parts_canary_problems(spec))
-        raise ProfileError(lines) from None
+        raise ProfileError(list(dict.fromkeys(lines))) from None
+
+
+def _unchecked_window_rules(spec: dict[str, Any]) -> list[str]:
+    """The window's rule between fields, for each window (spec.window, spec.lanes[i].window) whose own field
+    errors kept pydantic from checking it; kube-apiserver checks the CEL rule beside those errors."""
+    windows: list[tuple[str, Any]] = [("spec.window", spec.get("window"))]
+    lanes = spec.get("lanes")
+    if isinstance(lanes, list):
+        windows += [
+            (f"spec.lanes[{i}].window", lane.get("window")) for i, lane in enumerate(lanes) if isinstance(lane, dict)
+        ]
+    problems = []
+    for where, raw in windows:
+        if not isinstance(raw, dict):
+            continue
+        target, cap = raw.get("targetBatchSize"), raw.get("hardCap")
+        if type(target) is int and type(cap) is int:
+            problem = target_within_cap_problem(target, cap)
+            if problem:
+                problems.append(f"{where}: {problem}")
+    return problems
 
 
 def _parts_canary_problems(spec: dict[str, Any]) -> list[str]:

@@ -33,6 +33,13 @@ class CamelModel(BaseModel):
     )
 
 
+def target_within_cap_problem(target_batch_size: int, hard_cap: int) -> str | None:
+    """The window's one rule between fields (the CRD states it in CEL too), or None when it holds."""
+    if target_batch_size > hard_cap:
+        return f"targetBatchSize ({target_batch_size}) must be less than or equal to hardCap ({hard_cap})"
+    return None
+
+
 class WindowFields(CamelModel):
     """The fields of a batching window, without a generation.
 
@@ -97,10 +104,9 @@ class WindowFields(CamelModel):
 
     @model_validator(mode="after")
     def _target_within_cap(self) -> WindowFields:
-        if self.target_batch_size > self.hard_cap:
-            raise ValueError(
-                f"targetBatchSize ({self.target_batch_size}) must be less than or equal to hardCap ({self.hard_cap})"
-            )
+        problem = target_within_cap_problem(self.target_batch_size, self.hard_cap)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_serializer(mode="wrap")
