@@ -76,7 +76,6 @@ def _values() -> dict[str, Any]:
 
 
 def _helm(plane: ControlPlane, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    os.environ["KUBECONFIG"] = str(plane.kubeconfig)  # tools.run passes the environment on
     return run_tool([helm_path(), "--kubeconfig", plane.kubeconfig, *args], timeout_s=300)
 
 
