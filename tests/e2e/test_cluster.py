@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -238,3 +239,37 @@ def test_admin_token_survives_an_upgrade(control_plane: ControlPlane, release: R
     _helm(control_plane, "upgrade", RELEASE, CHART, "--namespace", release.namespace, "--reuse-values")
     assert token() == before
     _wait_for_synced(control_plane, release)
+
+
+SECURITY_MODEL = Path(__file__).resolve().parents[2] / "docs" / "security-model.md"
+
+
+def _can_i(plane: ControlPlane, user: str, namespace: str) -> set[tuple[str, str]]:
+    """(resource or URL, verb) of everything ``kubectl auth can-i --list`` grants ``user`` in ``namespace``."""
+    listed = plane.kubectl("auth", "can-i", "--list", f"--as={user}", "--namespace", namespace).stdout
+    granted = set()
+    for line in listed.splitlines()[1:]:
+        match = re.match(r"^(?:(\S+)\s+)?\[([^\]]*)\]\s+\[([^\]]*)\]\s+\[([^\]]*)\]$", line.strip())
+        assert match, f"unexpected can-i line: {line!r}"
+        resource, urls, names, verbs = match.groups()
+        assert names == "", f"a grant narrowed to resource names: {line!r}"
+        for verb in verbs.split():
+            granted.add((resource or urls, verb))
+    return granted
+
+
+def _documented_grants() -> set[tuple[str, str]]:
+    """The rows of docs/security-model.md's table that hold for the chart's defaults ("always")."""
+    rows = re.findall(r"^\| `([^`]+)` \| ([a-z, ]+) \| ([a-z, -]+) \|", SECURITY_MODEL.read_text(), re.MULTILINE)
+    assert rows, "docs/security-model.md has no permission table"
+    return {(resource, verb.strip()) for resource, verbs, when in rows if when == "always" for verb in verbs.split(",")}
+
+
+def test_the_service_account_may_do_only_what_the_security_model_lists(
+    control_plane: ControlPlane, release: Release
+) -> None:
+    # What every signed-in identity may do (discovery, reviews of its own access) is the baseline.
+    control_plane.kubectl("create", "serviceaccount", "nobody", "--namespace", release.namespace)
+    baseline = _can_i(control_plane, f"system:serviceaccount:{release.namespace}:nobody", release.namespace)
+    operator = _can_i(control_plane, f"system:serviceaccount:{release.namespace}:{OPERATOR}", release.namespace)
+    assert operator - baseline == _documented_grants()
