@@ -273,3 +273,44 @@ def test_the_service_account_may_do_only_what_the_security_model_lists(
     baseline = _can_i(control_plane, f"system:serviceaccount:{release.namespace}:nobody", release.namespace)
     operator = _can_i(control_plane, f"system:serviceaccount:{release.namespace}:{OPERATOR}", release.namespace)
     assert operator - baseline == _documented_grants()
+
+
+def _wait_for_condition(plane: ControlPlane, release: Release, status: str, text: str) -> dict[str, Any]:
+    deadline = time.monotonic() + SYNCED_TIMEOUT_S
+    synced: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        synced = _condition(plane.get("batchprofile", PROFILE, namespace=release.namespace), "Synced")
+        if synced and synced["status"] == status and text in synced.get("message", ""):
+            return synced
+        time.sleep(1)  # polling the API server for a condition
+    raise AssertionError(f"Synced never became {status} with {text!r}: {synced}\n{release.operator_text()[-3000:]}")
+
+
+def test_a_secret_is_sent_as_an_admin_token_only_if_it_opts_in(control_plane: ControlPlane, release: Release) -> None:
+    ns = release.namespace
+    token = base64.b64decode(control_plane.get("secret", TOKEN_SECRET, namespace=ns)["data"]["token"]).decode()
+    # The same token in a Secret that does not carry the label: the runtime would accept it, but it is not sent.
+    control_plane.kubectl("create", "secret", "generic", "unlabelled", f"--from-literal=token={token}", "-n", ns)
+
+    def name_secret(name: str | None) -> None:
+        secret = {"name": name, "key": "token"} if name else None
+        patch = {"spec": {"runtime": {"adminTokenSecret": secret}}}
+        control_plane.kubectl("patch", "batchprofile", PROFILE, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+    try:
+        name_secret("unlabelled")
+        _wait_for_condition(
+            control_plane,
+            release,
+            "False",
+            f'not sent: Secret {ns}/unlabelled lacks the label batchpilot.dev/admin-token: "true"',
+        )
+        # The chart's own token Secret carries the label.
+        assert (
+            control_plane.get("secret", TOKEN_SECRET, namespace=ns)["metadata"]["labels"]["batchpilot.dev/admin-token"]
+            == "true"
+        )
+        name_secret(TOKEN_SECRET)
+        _wait_for_condition(control_plane, release, "True", "")
+    finally:
+        name_secret(None)

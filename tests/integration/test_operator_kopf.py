@@ -156,7 +156,8 @@ async def test_tokens_reach_only_pods_of_their_profiles_namespace(
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     api = _client(url)
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-admin", "namespace": "ml"},
+    secret = {"apiVersion": "v1", "kind": "Secret",
+              "metadata": {"name": "chat-admin", "namespace": "ml", "labels": {"batchpilot.dev/admin-token": "true"}},
               "data": {"token": base64.b64encode(b"ml-secret-token").decode()}}  # fmt: skip
     await create(api, "/api/v1/namespaces/ml/secrets", secret)
     await create(api, "/api/v1/namespaces/ml/pods", pod_body("ml", "chat-a", {"app": "chat"}, POD_IPS[0], ready=True))

@@ -23,6 +23,7 @@ from batchpilot_operator.control.controller import Controller, PodRecord, Profil
 from batchpilot_operator.control.status import apply_merge_patch
 from batchpilot_operator.io.kube import KubeClient, KubeConfig, KubeError
 from batchpilot_operator.io.push import AdminClient
+from batchpilot_operator.io.token_secrets import ADMIN_TOKEN_LABEL, SecretNotOptedIn
 from tests.integration.fake_admin import FakeAdminServer
 from tests.integration.kmock_cluster import running_cluster
 from tests.support.crd_validation import validate_object
@@ -46,6 +47,7 @@ class SecretSink:
         self.events: list[tuple[str, str, str]] = []
         self.secret_reads: list[tuple[str, str, str]] = []
         self.forbidden = False  # every read fails as one the RBAC does not allow
+        self.not_opted_in = False  # every Secret lacks the admin-token label
 
     async def patch_status(self, ref: ProfileRef, patch: Mapping[str, Any]) -> None:
         self.status[ref.key] = apply_merge_patch(self.status.get(ref.key), patch)
@@ -57,6 +59,8 @@ class SecretSink:
         self.secret_reads.append((namespace, name, key))
         if self.forbidden:
             raise RuntimeError(f'HTTP 403: secrets "{name}" is forbidden')
+        if self.not_opted_in:
+            raise SecretNotOptedIn(namespace, name)
         return SECRETS.get((namespace, name, key))
 
     def condition(self, key: str, type_: str) -> dict[str, Any]:
@@ -168,7 +172,8 @@ async def test_secret_reads_quote_the_path_and_stay_in_the_namespace() -> None:
     async with running_cluster() as (cluster, url):
         for namespace in ("team-a", "team-b"):
             cluster.objects["v1/secrets", namespace, "chat-admin"] = {
-                "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-admin", "namespace": namespace},
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": "chat-admin", "namespace": namespace, "labels": {ADMIN_TOKEN_LABEL: "true"}},
                 "data": {"token": base64.b64encode(f"{namespace}-tok".encode()).decode()},
             }  # fmt: skip
         client = KubeClient(KubeConfig.for_server(url))
@@ -187,6 +192,34 @@ async def test_secret_reads_quote_the_path_and_stay_in_the_namespace() -> None:
         "/api/v1/namespaces/team-a/secrets/chat-admin",
         "/api/v1/namespaces/team-a/secrets/..%2F..%2Fteam-b%2Fsecrets%2Fchat-admin",
     ]
+
+
+async def test_a_secret_without_the_opt_in_label_is_not_read_out() -> None:
+    async with running_cluster() as (cluster, url):
+        for name, labels in (("unlabelled", {}), ("labelled-false", {ADMIN_TOKEN_LABEL: "false"})):
+            cluster.objects["v1/secrets", "team-a", name] = {
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": name, "namespace": "team-a", "labels": labels},
+                "data": {"token": base64.b64encode(b"db-password").decode()},
+            }  # fmt: skip
+        client = KubeClient(KubeConfig.for_server(url))
+        try:
+            for name in ("unlabelled", "labelled-false"):
+                with pytest.raises(SecretNotOptedIn, match=r"lacks the label batchpilot\.dev/admin-token"):
+                    await client.get_secret_value("team-a", name, "token")
+        finally:
+            await client.aclose()
+
+
+async def test_a_profile_naming_a_secret_that_did_not_opt_in_sends_nothing_and_says_why(cluster: Cluster) -> None:
+    pod = cluster.add_pod("team-a", "chat-0")
+    cluster.sink.not_opted_in = True
+    cluster.controller.upsert_profile("team-a", "chat", make_spec({"name": "chat-admin"}))
+    await cluster.tick()
+    assert cluster.authorizations(pod) == []
+    synced = cluster.sink.condition("team-a/chat", "Synced")
+    assert synced["status"] == "False"
+    assert 'not sent: Secret team-a/chat-admin lacks the label batchpilot.dev/admin-token: "true"' in synced["message"]
 
 
 # ---- which pod receives which token --------------------------------------------------------------------------

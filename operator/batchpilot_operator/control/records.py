@@ -71,7 +71,10 @@ class Sink(Protocol):
 
     async def event(self, ref: ProfileRef, type_: str, reason: str, message: str) -> None: ...
 
-    async def read_secret(self, namespace: str, name: str, key: str) -> str | None: ...
+    async def read_secret(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret that opts in as an admin token (label :data:`ADMIN_TOKEN_LABEL` = "true"); None
+        when it has no such key; :class:`SecretNotOptedIn` when it lacks the label."""
+        ...
 
 
 @dataclass(frozen=True)

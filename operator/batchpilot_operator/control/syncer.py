@@ -19,6 +19,7 @@ from batchpilot_operator.control.records import PodRecord, ProfileRecord, Settin
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.outbound import base_url
 from batchpilot_operator.io.push import CONFLICT, REFUSED, UNAUTHORIZED, AdminClient, PodTarget, PushFailed, PushResult
+from batchpilot_operator.io.token_secrets import SecretNotOptedIn
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
@@ -160,6 +161,8 @@ class Syncer:
                 try:
                     token = await self.sink.read_secret(record.ref.namespace, ref.name, ref.key)
                     problem = f"has no key {ref.key!r}"
+                except SecretNotOptedIn as refused:
+                    token, problem = None, str(refused)
                 except Exception as error:
                     log.warning("reading Secret %s/%s failed: %s", record.ref.namespace, ref.name, error)
                     token, problem = (cached[1] if cached else None), f"could not be read: {error}"

@@ -56,6 +56,7 @@ from kubernetes.config import load_kube_config as load_kubeconfig_file
 from kubernetes.config.incluster_config import InClusterConfigLoader
 
 from batchpilot_operator import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from batchpilot_operator.io.token_secrets import ADMIN_TOKEN_LABEL, SecretNotOptedIn
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # The field manager of the restart path's server-side applies: what Argo CD's ignoreDifferences
@@ -255,6 +256,8 @@ class KubeClient:
             if segment in ("", ".", ".."):
                 raise ValueError(f"{what} {segment!r} is not a name")
         secret = await self._call(self._core.read_namespaced_secret, name, namespace)
+        if ((secret.metadata and secret.metadata.labels) or {}).get(ADMIN_TOKEN_LABEL) != "true":
+            raise SecretNotOptedIn(namespace, name)
         data = secret.data or {}
         if key in data:
             return base64.b64decode(data[key]).decode().strip()
