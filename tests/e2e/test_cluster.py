@@ -90,6 +90,7 @@ class Release:
     pod: str
     pod_ip: str
     kubeconfig: Path  # the operator's: its ServiceAccount's token
+    liveness_url: str  # the operator's kopf health endpoint
 
     def operator_text(self) -> str:
         return self.operator_log.read_text(errors="replace")
@@ -142,12 +143,13 @@ def release(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     kubeconfig = service_account_kubeconfig(
         plane, namespace, operator_spec["serviceAccountName"], work / "sa.kubeconfig"
     )
+    liveness_url = f"http://127.0.0.1:{free_port()}/healthz"
     operator_args = container_command(
         operator_spec,
         "operator",
         env={"POD_NAMESPACE": namespace, "POD_NAME": "operator-0"},
         replace={
-            "--liveness": f"http://127.0.0.1:{free_port()}/healthz",
+            "--liveness": liveness_url,
             "--metrics-port": str(free_port()),
             "--admin-token-file": str(token_file),
         },
@@ -170,7 +172,17 @@ def release(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
 
         wait_until(serving, 180, "the hollow runtime to serve", interval_s=0.2)
         pod = hollow_pod(plane, namespace, PROFILE, ip)
-        yield Release(namespace, operator, operator_log, runtime, runtime_log, pod["metadata"]["name"], ip, kubeconfig)
+        yield Release(
+            namespace,
+            operator,
+            operator_log,
+            runtime,
+            runtime_log,
+            pod["metadata"]["name"],
+            ip,
+            kubeconfig,
+            liveness_url,
+        )
     finally:
         _stop(operator)
         _stop(runtime)
@@ -314,3 +326,42 @@ def test_a_secret_is_sent_as_an_admin_token_only_if_it_opts_in(control_plane: Co
         _wait_for_condition(control_plane, release, "True", "")
     finally:
         name_secret(None)
+
+
+def _hard_cap_in_runtime(release: Release) -> float | None:
+    for line in httpx.get(f"http://{release.pod_ip}:{SERVE_PORT}/metrics", timeout=10).text.splitlines():
+        if line.startswith("batchpilot_window_hard_cap"):
+            return float(line.split()[-1])
+    return None
+
+
+def test_the_operator_rides_out_a_kube_apiserver_restart(control_plane: ControlPlane, release: Release) -> None:
+    ns = release.namespace
+    before = _wait_for_synced(control_plane, release)["status"]["window"]
+    control_plane.stop("kube-apiserver")
+    control_plane.start("kube-apiserver")  # same etcd, same port: the operator's watches must resume
+    # While it starts, before /readyz, the server answers the operator's reconnecting watches with 403 (its
+    # RBAC caches are not filled yet) and 429 ("storage is (re)initializing"); kopf retries. From /readyz on
+    # (the script waited for it) no request of the operator's may be refused.
+    ready_at = len(release.operator_text())
+    # A change made after the restart reaches the runtime only through a resumed watch (or the watch check).
+    window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
+    control_plane.kubectl(
+        "patch", "batchprofile", PROFILE, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"window": window}})
+    )
+    deadline = time.monotonic() + SYNCED_TIMEOUT_S
+    while _hard_cap_in_runtime(release) != 12.0:
+        if time.monotonic() > deadline:
+            profile = control_plane.get("batchprofile", PROFILE, namespace=ns)
+            raise AssertionError(
+                f"the runtime never got hardCap 12: {profile['metadata']['generation']} {profile.get('status')}\n"
+                f"{release.operator_text()[-3000:]}"
+            )
+        time.sleep(1)  # polling the runtime for the window in force
+    after = _wait_for_synced(control_plane, release)["status"]["window"]
+    # Decided once: one new generation for the one change, none for the restart itself.
+    assert (after["hardCap"], after["generation"]) == (12, before["generation"] + 1), (before, after)
+    assert release.operator.poll() is None
+    assert httpx.get(release.liveness_url, timeout=5).status_code == 200
+    after_ready = release.operator_text()[ready_at:]
+    assert [line for line in after_ready.splitlines() if "403" in line or "orbidden" in line] == []

@@ -223,6 +223,22 @@ async def test_pod_with_newer_generation_is_overtaken(h: Harness) -> None:
     assert h.fake.pods["0"].state.window.hard_cap == 16
 
 
+async def test_a_static_profiles_new_window_goes_out_with_a_new_generation(h: Harness) -> None:
+    # Found on the real API server with the real runtime: a changed spec window was numbered 1 again, the
+    # runtime kept the window it held for generation 1, and the profile read Synced.
+    h.add_pod("0")
+    static = {"mode": "static", "cooldownSeconds": 0}
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(tuning=static), generation=1)
+    await h.tick()
+    assert h.fake.pods["0"].state.window.generation == 1
+    window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
+    h.controller.upsert_profile("ml", "chat", make_spec_dict(tuning=static, window=window), generation=2)
+    await h.tick()
+    state = h.fake.pods["0"].state.window
+    assert (state.hard_cap, state.generation) == (12, 2)
+    assert h.status()["window"]["generation"] == 2
+
+
 async def test_recommend_mode_never_pushes(h: Harness) -> None:
     h.add_pod("0")
     spec = make_spec_dict(tuning={"mode": "recommend", "cooldownSeconds": 0})

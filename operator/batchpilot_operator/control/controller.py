@@ -273,13 +273,19 @@ class Controller:
 
     def _ensure_window(self, record: ProfileRecord) -> None:
         """Static mode: the spec's window, renumbered when its fields change. Otherwise the spec's window when
-        none is in force, numbered past the one last written to status."""
+        none is in force, numbered past the one last written to status.
+
+        A spec whose window changed clears the one in force (upsert_profile); in static mode too the new one is
+        then numbered past the window last written to status, never from 1 again: the pods run that generation,
+        and a runtime keeps the window it has for a generation it already holds."""
         spec = record.spec
         if spec is None:
             return
         if spec.mode == TuningMode.STATIC:
-            current = record.loop.window
-            if current is None or not current.fields_equal(spec.window):
+            current = record.loop.window or window_from_status(record.status.written)
+            if current is not None and current.fields_equal(spec.window):
+                record.loop.window = current
+            else:
                 self._number(record, Window.from_fields(spec.window, 1), past=current.generation if current else None)
             return
         if record.loop.window is None:
