@@ -15,7 +15,9 @@ pushing and status writing for every profile (see :mod:`.controller`).
   resourceVersions with those the watch delivered; a difference that survives
   two checks means the watch stream died silently. kopf's own
   ``inactivity_timeout`` reconnects dead streams; the check catches what that
-  misses.
+  misses. It fails too while that listing has failed two checks in a row (the
+  API server or its etcd down: the loop still iterates, pushes go on, but no
+  status lands), and passes again at the first listing that answers.
 - Peering: several replicas run, one is active. kopf pauses its watches on the
   replica with the lower priority; the loop reads the same peering object and
   pauses with it. The default priority is the start time, so during a rolling
@@ -275,6 +277,10 @@ class OperatorApp:
         self.seen_versions: dict[str, str] = {}  # profile key -> resourceVersion the watch delivered
         self.watch_suspects: dict[str, str] = {}
         self.watch_stuck: str | None = None  # only ever set while this replica is active
+        # The watch check's listing failing twice in a row (the API server or its etcd down): liveness fails,
+        # saying so, until a listing answers again.
+        self.api_failures = 0
+        self.api_unreachable: str | None = None
         self._last_watch_check_s = time.monotonic()
         self._watch_paused = False  # paused by peering at the latest watch step
         self._stop = asyncio.Event()
@@ -412,6 +418,8 @@ class OperatorApp:
                 raise kopf.PermanentError(f"observation loop stuck: {why}")
             if self.watch_stuck:
                 raise kopf.PermanentError(f"BatchProfile watch stuck: {self.watch_stuck}")
+            if self.api_unreachable:
+                raise kopf.PermanentError(f"API server unreachable: {self.api_unreachable}")
             if options.peering != "off":
                 # Two lifetimes without a keep-alive landing: one for the record to expire, one more to be sure.
                 problem = self.gate.heartbeat_problem(time.monotonic(), grace_s=float(options.peering_lifetime_s))
@@ -461,7 +469,18 @@ class OperatorApp:
             self._last_watch_check_s = now_s
         elif due:
             self._last_watch_check_s = now_s
-            await self._check_watch()
+            try:
+                await self._check_watch()
+            except KubeError as error:
+                self.api_failures += 1
+                if self.api_failures >= 2:
+                    if not self.api_unreachable:
+                        log.warning("the API server failed %d watch checks in a row; liveness fails", self.api_failures)
+                    self.api_unreachable = f"{self.api_failures} watch checks in a row failed: {error}"
+                raise
+            if self.api_unreachable:
+                log.info("the API server answers again after %d failed watch checks", self.api_failures)
+            self.api_failures, self.api_unreachable = 0, None
 
     async def _check_watch(self) -> None:
         """Compare the API's resourceVersions with the watch's; a gap that lasts two checks is a dead watch."""
