@@ -1,0 +1,127 @@
+"""Two operator replicas with kopf peering on the test control plane: one acts, and when it is killed the other
+takes over within the peering lifetime (deploy/README.md: "the standby takes over within the peering lifetime").
+
+The chart is installed with ``operator.peering.enabled`` (its kopf CRDs and ClusterKopfPeering on the real
+server) and two replicas; both run as hollow pods would (tests/e2e/test_cluster.py says how), with the
+Deployment's own args plus a peering lifetime of 12 s instead of 60 s and fixed priorities, so that the
+takeover is timed in seconds and which replica acts first is known.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.tools import CHART, helm_path
+from tests.deploy.tools import run as run_tool
+from tests.e2e.test_cluster import _helm, _start, _stop
+from tests.integration.kmock_cluster import free_port
+from tests.support.control_plane import ControlPlane
+from tests.support.hollow import container_command, container_env, service_account_kubeconfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
+
+RELEASE = "bp-peer"
+PROFILE = f"{RELEASE}-batchpilot-tiny"
+LIFETIME_S = 12
+TAKEOVER_MARGIN_S = 20  # kopf's keep-alive comes 5-10 s before expiry; a busy 2-core host adds seconds
+
+
+def _observed(plane: ControlPlane, namespace: str) -> int:
+    status: dict[str, Any] = plane.get("batchprofile", PROFILE, namespace=namespace).get("status") or {}
+    return int(status.get("observedGeneration") or 0)
+
+
+def _wait(predicate: Any, timeout_s: float, what: str, logs: list[Path]) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            tails = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in logs)
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tails}")
+        time.sleep(0.5)  # polling the API server or a log
+    return time.monotonic() - started
+
+
+def test_the_standby_takes_over_within_the_peering_lifetime(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    plane = control_plane
+    work = tmp_path_factory.mktemp("peering")
+    namespace = plane.namespace("bp-peer")
+    values = {
+        "operator": {"replicas": 2, "peering": {"enabled": True}, "prometheusUrl": "http://127.0.0.1:9/"},
+        "models": [
+            {
+                "name": "tiny",
+                "preset": "tiny",
+                "profile": {
+                    "tuning": {"mode": "static"},
+                    "window": {"targetBatchSize": 4, "hardCap": 8, "maxWaitMs": 10},
+                },
+            }
+        ],
+    }
+    values_file = work / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    _helm(plane, "install", RELEASE, CHART, "--namespace", namespace, "--values", values_file)
+    spec = plane.get("deployment", f"{RELEASE}-batchpilot-operator", namespace=namespace)["spec"]["template"]["spec"]
+    kubeconfig = service_account_kubeconfig(plane, namespace, spec["serviceAccountName"], work / "sa.kubeconfig")
+    token_file = work / "admin-token"
+    token_file.write_text("unused: no runtime pod here")
+
+    def operator(name: str, priority: int) -> tuple[Any, Path]:
+        args = container_command(
+            spec,
+            "operator",
+            env={"POD_NAMESPACE": namespace, "POD_NAME": name},
+            replace={
+                "--liveness": f"http://127.0.0.1:{free_port()}/healthz",
+                "--metrics-port": str(free_port()),
+                "--admin-token-file": str(token_file),
+            },
+        )
+        log = work / f"{name}.log"
+        command = [sys.executable, "-m", "batchpilot_operator.cli.main", *args, "--kubeconfig", str(kubeconfig),
+                   f"--peering-lifetime={LIFETIME_S}", f"--priority={priority}"]  # fmt: skip
+        env = {**container_env(spec, "operator"), "POD_NAMESPACE": namespace, "HOSTNAME": name, "HOME": str(work)}
+        return _start(command, log, env), log
+
+    first, first_log = operator("operator-a", 20)
+    second, second_log = operator("operator-b", 10)
+    logs = [first_log, second_log]
+    try:
+        # 1. The higher priority acts (it registers the profile and writes its status); the other stays paused
+        #    (kopf starts it paused when it sees the higher peer at once, or logs "Pausing ..." when it sees it
+        #    later): it never registers the profile.
+        _wait(lambda: _observed(plane, namespace) == 1, 120, "the active replica to write status", logs)
+        _wait(lambda: "registered" in first_log.read_text(), 30, "the active replica's registration", logs)
+        time.sleep(3)  # the standby's own start-up, which would register the profile were it active
+        assert "registered" not in second_log.read_text(), second_log.read_text()[-2000:]
+        resumed_before = second_log.read_text().count("Resuming operations after the pause")
+
+        # 2. The active one is killed; a spec change is then acted on only by a replica that took over.
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
+        patch = json.dumps({"spec": {"window": window}})
+        plane.kubectl("patch", "batchprofile", PROFILE, "-n", namespace, "--type=merge", "-p", patch)
+        _wait(
+            lambda: _observed(plane, namespace) == 2, LIFETIME_S + TAKEOVER_MARGIN_S, "the standby to take over", logs
+        )
+        assert second_log.read_text().count("Resuming operations after the pause") == resumed_before + 1
+        assert "registered" in second_log.read_text()
+        status = plane.get("batchprofile", PROFILE, namespace=namespace)["status"]
+        assert status["window"]["hardCap"] == 12 and status["window"]["generation"] == 2, status
+    finally:
+        _stop(first)
+        _stop(second)
+        run_tool(
+            [helm_path(), "--kubeconfig", plane.kubeconfig, "uninstall", RELEASE, "--namespace", namespace], check=False
+        )
