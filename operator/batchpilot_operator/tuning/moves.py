@@ -26,6 +26,7 @@ class PolicyConfig:
     """Constants of the policy (not part of the resource; tests and the simulator may vary them)."""
 
     min_samples: int = 20
+    sparse_budget_min_gaps: float = 500.0  # gaps in the rate window that let a sparse interval raise the budget
     headroom_ratio: float = 0.6  # P99 below this share of the SLO is headroom
     up_confirm_intervals: int = 2  # headroom must last this many intervals before going up
     wait_min_change: float = 0.25  # with headroom, a smaller relative move of the wait is not worth a decision

@@ -31,6 +31,16 @@ def too_sparse(obs: Observations, config: PolicyConfig) -> str:
     return f"Too sparse: P99 rests on {samples} requests (< {config.min_samples}); holding."
 
 
+def sparse_budget_raise(spec: BatchProfileSpec, obs: Observations, budget: int, config: PolicyConfig) -> str:
+    samples = "an unknown number of" if not known(obs.samples) else f"{obs.samples:.0f}"
+    return (
+        f"Too sparse for the first-token P99 ({samples} requests, < {config.min_samples}), but "
+        f"{obs.tokens_per_s * obs.window_s:.0f} gaps put the inter-token P99 at {obs.itl_p99_s * 1000:.0f} ms, "
+        f"under its {spec.slo.inter_token_p99_ms:.0f} ms target: raising the prefill budget to {budget} tokens "
+        "so that the next burst needs fewer steps."
+    )
+
+
 def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
     """The P99 that decides (first tokens, else the gaps) and its target, as the reasons name them."""
     if spec.slo.p99_ms is not None:
@@ -121,7 +131,11 @@ def _budget(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: B
     target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
     if move.change == "lower":
         return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
-    need = "first tokens need it" if move.first_tokens else f"{obs.queue_depth:.0f} prompts wait"
+    need = {
+        "first_tokens": "first tokens need it",
+        "queue": f"{obs.queue_depth:.0f} prompts wait",
+        "room": "so that the next burst needs fewer steps",
+    }[move.cause or "room"]
     return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
 
 
