@@ -713,3 +713,37 @@ def test_a_sparse_raise_respects_the_cooldown_and_needs_both_objectives() -> Non
     assert decide(spec, window, sparse(0.014), PolicyState(last_change_s=90.0), 100.0).direction == "hold"
     gaps_only, gaps_window = gaps_only_spec(budget=512)
     assert decide(gaps_only, gaps_window, sparse(0.014, p99_s=float("nan")), PolicyState(), 100.0).direction != "up"
+
+
+def test_gaps_the_budget_explains_cut_it() -> None:
+    spec, window = itl_spec(budget=2048, itl_ms=40.0)
+    # 88 ms gaps at 2048 tokens of 35 us: 72 ms of prompt, 16 ms of decode; a cut brings them under.
+    decision = decide(
+        spec, window, make_observations(0.2, itl_p99_s=0.088, prefill_s_per_token=35e-6), PolicyState(), 100.0
+    )
+    assert decision.direction == "down"
+    assert decision.window.max_prefill_tokens is not None and decision.window.max_prefill_tokens < 2048
+
+
+def test_gaps_no_budget_explains_hold_it_and_say_why() -> None:
+    spec, window = itl_spec(budget=355, itl_ms=40.0)
+    # 212 ms gaps at 355 tokens of 35 us (12 ms of prompt): even no prompt part leaves 200 ms, over the
+    # 34 ms setpoint. A cut would only make first tokens wait (a demo run beside a busy CPU).
+    busy = make_observations(0.2, itl_p99_s=0.212, prefill_s_per_token=35e-6, mean_batch_size=6.0)
+    decision = decide(spec, window, busy, PolicyState(), 100.0)
+    assert decision.direction == "hold"
+    assert decision.window.max_prefill_tokens == 355
+    assert "more than the prompt part of a step explains (35.0 us a prompt token)" in decision.reason
+    # Unknown cost per prompt token: the old reading (the whole gap is the budget's) cuts.
+    unknown = make_observations(0.2, itl_p99_s=0.212, mean_batch_size=6.0)
+    assert decide(spec, window, unknown, PolicyState(), 100.0).window.max_prefill_tokens < 355
+
+
+def test_gaps_no_budget_explains_bring_the_cap_down_when_the_batch_fills_it() -> None:
+    spec, window = itl_spec(budget=1024, itl_ms=100.0)
+    # A full batch of long contexts: 120 ms gaps of which 1024 x 20 us = 20 ms are prompt.
+    full = make_observations(0.2, itl_p99_s=0.120, prefill_s_per_token=20e-6, mean_batch_size=60.0)
+    decision = decide(spec, window, full, PolicyState(), 100.0)
+    assert decision.window.max_prefill_tokens == 1024
+    assert decision.window.hard_cap < 64
+    assert "beyond what it explains" in decision.reason

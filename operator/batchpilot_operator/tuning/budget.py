@@ -68,6 +68,9 @@ class BudgetMove:
     # What asked for a raise: first tokens near or over their target, prompts in the queue (an SLO
     # without a first-token objective), or only the gaps' room under their target.
     cause: Literal["first_tokens", "queue", "room"] | None = None
+    # Gaps over target that the budget does not explain: the step's prompt part at this budget is too
+    # small for a cut to bring them under (see :func:`unexplained_by_budget`); the budget holds.
+    unexplained: bool = False
 
 
 def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
@@ -98,6 +101,21 @@ def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, shar
     return max(1.0, budget + room_s / per_token_s) / budget
 
 
+def unexplained_by_budget(spec: BatchProfileSpec, obs: Observations, budget: int, config: PolicyConfig) -> bool:
+    """Whether the gaps are over their setpoint even with no prompt part at all.
+
+    A gap is a step's time: its decodes' part plus ``budget`` prompt tokens at
+    ``Observations.prefill_s_per_token``. When what is left without the prompt part is still over the
+    setpoint, no cut brings the gaps under it, and a cut only makes first tokens wait (a demo run beside
+    a busy CPU: gaps of 212 ms at a budget of 355 tokens, cut to 229, and first tokens at 1.3 s). The
+    cap, not the budget, is then the lever (``moves.cap_move``). False when the cost is unknown."""
+    target_ms, per_token_s = spec.slo.inter_token_p99_ms, obs.prefill_s_per_token
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
+        return False
+    decode_part_s = obs.itl_p99_s - budget * per_token_s
+    return decode_part_s >= config.itl_setpoint_ratio * target_ms / 1000.0
+
+
 def budget_move(
     spec: BatchProfileSpec,
     window: Window,
@@ -122,6 +140,8 @@ def budget_move(
     first_tokens = not math.isnan(ttft_ratio)
     balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
     if ratio > 1.0:
+        if not math.isinf(ratio) and unexplained_by_budget(spec, obs, current, config):
+            return BudgetMove(budget, itl_over=True, unexplained=True)
         # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
         factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
         if factor > 1.0 - config.budget_min_change:

@@ -74,9 +74,11 @@ grows about linearly with a step's prompt tokens and a queue's first-token delay
 inversely, so sqrt(TTFT ratio / gap ratio) is the move that balances the two. Over the
 inter-token target the budget comes down at once towards the budget that puts the gap at 85 %
 of its target, but no further than the balance when first tokens are tight too, and not at all
-when they are further over than the gaps (a cut would move the pain to the worse tail); when it
-is already at its lower bound and the batch is at its cap, the cap comes down instead (the
-decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
+when they are further over than the gaps (a cut would move the pain to the worse tail), nor when
+the gap less its prompt part (the budget at ``Observations.prefill_s_per_token``) is still over the
+85 % point: no cut explains it (:func:`batchpilot_operator.tuning.budget.unexplained_by_budget`).
+Then, or when the budget is already at its lower bound, and the batch is at its cap, the cap comes
+down instead (the decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
 past it again until the gaps have stayed within target for 20 intervals, then by one step at a
 time (as the memory ceiling of the cap does), because the gap's P99 is set by the longest
 prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
@@ -280,7 +282,8 @@ def decide(
         return _change(window, fields, "down", reasons.memory(obs, cap), state, now_s, estimate)
 
     # 6. The cap, then target and wait within it.
-    cap_moved = cap_move(spec, window, reading, cap_ceiling(spec, estimate, state.kv_cap_ceiling), config)
+    ceiling = cap_ceiling(spec, estimate, state.kv_cap_ceiling)
+    cap_moved = cap_move(spec, window, reading, ceiling, config, gaps_beyond_budget=budget.unexplained)
     confirmed = reading.headroom and state.headroom_streak >= config.up_confirm_intervals
     under = state.under_streak >= config.dead_band_confirm_intervals
     target_wait = target_wait_move(
@@ -295,7 +298,7 @@ def decide(
     if (new_target, new_cap, new_wait, budget.budget) != in_force:
         tail = tail_ratio(spec, window, new_wait, obs, config)
     if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
-        return hold(reasons.hold(spec, seen, reading, confirmed), state)
+        return hold(reasons.hold(spec, seen, reading, confirmed, gaps_beyond_budget=budget.unexplained), state)
 
     # 8. Name the direction and say why.
     fields = (new_target, new_cap, new_wait, tail, budget.budget)

@@ -90,9 +90,24 @@ def at_limits(reason: str) -> str:
     return reason.rstrip(".") + AT_LIMITS
 
 
-def hold(spec: BatchProfileSpec, obs: Observations, reading: Reading, confirmed_headroom: bool) -> str:
+def hold(
+    spec: BatchProfileSpec,
+    obs: Observations,
+    reading: Reading,
+    confirmed_headroom: bool,
+    *,
+    gaps_beyond_budget: bool = False,
+) -> str:
     """Why nothing moved past the gates: the limits, or the zone."""
     p99_text, slo_text = _objective(spec, obs)
+    if reading.itl_over and gaps_beyond_budget:
+        per_token_ms = obs.prefill_s_per_token * 1000
+        return (
+            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"target, more than the prompt part of a step explains ({per_token_ms * 1000:.1f} us a prompt token): "
+            "a smaller budget would not bring the gaps under it, only make first tokens wait, and the batch is "
+            "under its cap; holding."
+        )
     if reading.itl_over:
         return (
             f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
@@ -146,7 +161,10 @@ def _cap(reading: Reading, move: CapMove) -> str:
         why = f"steps of {reading.step_s * 1000:.0f} ms at this batch are too long for the SLO"
         return f"lowering the cap to {move.cap} ({why})"
     if move.cause == "floor_gaps":
-        return f"lowering the cap to {move.cap} (the prefill budget is at its floor and gaps are still too long)"
+        return (
+            f"lowering the cap to {move.cap} (gaps still too long with the prefill budget at its floor or beyond "
+            "what it explains: the rest of a step is the batch's decode)"
+        )
     if move.cause == "burst_room":
         return f"raising the cap to {move.cap} (room for a burst over the running batch of {reading.running:.0f})"
     return ""
