@@ -303,7 +303,7 @@ def test_with_the_budget_at_its_floor_the_cap_comes_down_for_gaps() -> None:
     decision = decide(spec, window, obs, PolicyState(), 100.0)
     assert decision.window.max_prefill_tokens == 128
     assert decision.window.hard_cap == 32
-    assert "prefill budget is at its floor" in decision.reason
+    assert "with the prefill budget at its floor" in decision.reason
 
 
 @PROPERTY_SETTINGS
