@@ -157,7 +157,7 @@ def run_job(job: Job) -> dict[str, Any]:
         window, capacity, adaptive = best_window, max(best_capacity, 0.0), False
     else:
         assert job.window is not None
-        window, adaptive = job.window, job.policy == "adaptive"
+        window, adaptive = job.window, job.policy.startswith("adaptive")  # adaptive_auto: from a derived window
         capacity = bisect_capacity(lambda m: _meets(job, window, adaptive, m), tolerance=job.tolerance)
     outcome = _at(job, window, adaptive, capacity)
     # The bisection assumes more load never helps; the loads just above its edge show where that fails.

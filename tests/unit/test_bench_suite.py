@@ -32,8 +32,26 @@ def test_the_minimum_of_each_ratio_names_its_cell_and_the_mean_covers_the_kept_c
     assert summary["adaptive_over_best_mean"] == pytest.approx(0.75)
     assert summary["adaptive_over_start_min"] == pytest.approx(0.75)
     assert summary["adaptive_over_start_min_cell"] == "b 1s"
-    assert summary["cells_under_0.95x_over_best"] == ["b 1s"]
-    assert summary["cells_under_0.98x_over_start"] == ["b 1s"]
+    assert summary["cells_under_0.95x_adaptive_over_best"] == ["b 1s"]
+    assert summary["cells_under_0.98x_adaptive_over_start"] == ["b 1s"]
+    assert "adaptive_auto_over_best_min" not in summary  # no run from a derived window in these cells
+
+
+def test_the_run_from_a_derived_window_is_judged_against_that_window_held_still() -> None:
+    cells = {
+        "a 1s": {**cell(0.5, 0.4, 0.6), "adaptive_auto": 0.66, "auto_window": 0.55},
+        "b 1s": {**cell(0.3, 0.4, 0.6), "adaptive_auto": 0.5, "auto_window": 0.55},
+    }
+    report = summarize(cells)
+    summary = report["summary"]
+    assert report["cells"]["a 1s"]["adaptive_auto_over_auto_window"] == pytest.approx(1.2)
+    assert report["cells"]["a 1s"]["adaptive_auto_over_best_static"] == pytest.approx(1.1)
+    assert summary["adaptive_auto_over_best_min"] == pytest.approx(0.5 / 0.6)
+    assert summary["adaptive_auto_over_best_min_cell"] == "b 1s"
+    assert summary["adaptive_auto_over_start_min"] == pytest.approx(0.5 / 0.55)
+    assert summary["cells_under_0.98x_adaptive_auto_over_start"] == ["b 1s"]
+    # The derived window is one more static window: best static is the best of them all.
+    assert summarize({"c 1s": {**cell(0.5, 0.4, 0.6), "auto_window": 0.8}})["cells"]["c 1s"]["best_static_any"] == 0.8
 
 
 def test_best_static_is_the_best_of_every_static_window_run() -> None:

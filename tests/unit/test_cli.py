@@ -49,6 +49,21 @@ def test_validate_accepts_the_examples(capsys) -> None:  # type: ignore[no-untyp
     assert "chat-assistant: ok" in out
 
 
+def test_validate_prints_the_window_derived_for_a_profile_without_one(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    derived = tmp_path / "derived.yaml"
+    derived.write_text(
+        "apiVersion: batchpilot.dev/v1alpha1\nkind: BatchProfile\nmetadata: {name: d}\n"
+        "spec:\n  model: m\n  selector: {matchLabels: {a: b}}\n"
+        "  stepCosts: {fixedMs: 11.3, prefillUsPerToken: 61, source: calibrate on a100}\n"
+        "  slo: {p99Ms: 1000, interTokenP99Ms: 100}\n"
+    )
+    assert operator_cli.main(["validate", str(derived)]) == 0
+    out = capsys.readouterr().out
+    assert "d: ok" in out
+    assert "starting window target 1, cap 128, wait 0 ms, tail-mark ratio 2, budget 798, derived from" in out
+    assert "spec.stepCosts (fixed 11.3 ms, 61 us per prompt token, calibrate on a100) and the SLO" in out
+
+
 def test_validate_names_the_bad_field(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.yaml"
     bad.write_text(

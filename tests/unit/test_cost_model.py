@@ -134,6 +134,11 @@ def test_calibrate_fits_the_real_engine_and_simulate_can_load_it(tmp_path: Path)
     assert model.name == "tiny-cpu"
     assert model.kv_capacity_tokens == 65_536
     assert model.step_seconds(StepComposition(32, 4, 200)) > 0
+    # The same fit, ready for a BatchProfile's spec.stepCosts.
+    costs = report["stepCosts"]
+    assert costs["fixedMs"] == pytest.approx(model.fixed_s * 1e3, abs=1e-3)
+    assert costs["prefillUsPerToken"] == pytest.approx(model.per_prefill_token_s * 1e6, abs=1e-3)
+    assert costs["source"] == "tiny-cpu"
 
 
 def test_calibrate_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -> None:

@@ -66,6 +66,20 @@ async def test_new_profile_pushes_spec_window_and_reports_synced(h: Harness) -> 
     assert h.condition("Synced")["status"] == "True"
     assert h.condition("Ready")["observedGeneration"] == 1
     assert h.status()["observedGeneration"] == 1
+    assert h.status()["startingWindow"] == "spec.window"
+
+
+async def test_a_profile_without_a_window_pushes_the_one_derived_from_its_step_costs(h: Harness) -> None:
+    h.add_pod("0")
+    costs = {"fixedMs": 11.3, "prefillUsPerToken": 61.0, "source": "a100"}
+    spec = make_spec_dict(window=None, stepCosts=costs, slo={"p99Ms": 1000, "interTokenP99Ms": 100})
+    h.controller.upsert_profile("ml", "chat", spec, generation=1)
+    await h.tick()
+    window = h.fake.pods["0"].state.window  # the cap clamped to what the pod holds
+    assert (window.target_batch_size, window.max_wait_ms, window.max_prefill_tokens) == (1, 0, 798)
+    assert h.status()["window"]["hardCap"] == 128
+    assert h.status()["startingWindow"].startswith("derived from spec.stepCosts (fixed 11.3 ms, 61 us per prompt token")
+    assert h.status()["window"]["maxPrefillTokens"] == 798
 
 
 async def test_slo_miss_lowers_the_window_and_lands_in_status_and_events(h: Harness) -> None:

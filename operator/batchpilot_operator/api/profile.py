@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
-from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic import ConfigDict, Field, JsonValue, PrivateAttr, ValidationError, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from batchpilot_operator import API_VERSION, KIND
@@ -27,6 +27,7 @@ from batchpilot_operator.api.bounds import cel_rules
 from batchpilot_operator.api.canary import CANARY_RULE, Canary, canary_problems
 from batchpilot_operator.api.metadata import metadata_problems
 from batchpilot_operator.api.restart import RestartBudget
+from batchpilot_operator.api.step_costs import StepCosts
 from batchpilot_runtime.contract.admin_api import DEFAULT_ADMIN_PORT, DEFAULT_SERVE_PORT
 from batchpilot_runtime.contract.window import (
     MAX_BATCH_SIZE,
@@ -298,6 +299,10 @@ class RuntimeEndpoint(CamelModel):
 VLLM_MODE_MESSAGE = "engine vllm supports only tuning.mode recommend or restart (vLLM takes a window only at start-up)"
 RESTART_ENGINE_MESSAGE = "tuning.mode restart is for engine vllm, sglang or llamacpp (batchpilot takes a window live)"
 RESTART_BUDGET_MESSAGE = "tuning.mode restart needs spec.restart (the workload and its restart budget)"
+WINDOW_OR_COSTS_MESSAGE = (
+    "spec.window may be left out only when spec.stepCosts is given (the first window is then derived from them "
+    "and the SLO)"
+)
 # Live, a llama-server's window goes through batchpilot-gate, which bounds running requests but not prompt
 # tokens per step; the budget reaches llama-server only as --batch-size, by a restart.
 GATED_BUDGET_MESSAGE = (
@@ -307,34 +312,35 @@ GATED_BUDGET_MESSAGE = (
 )
 
 _BATCH_PROFILE_RULES: list[JsonValue] = [
+    {"rule": "has(self.window) || has(self.stepCosts)", "message": WINDOW_OR_COSTS_MESSAGE},
     {
-        "rule": "self.window.targetBatchSize >= self.tuning.bounds.targetBatchSize.min && "
-        "self.window.targetBatchSize <= self.tuning.bounds.targetBatchSize.max",
+        "rule": "!has(self.window) || (self.window.targetBatchSize >= self.tuning.bounds.targetBatchSize.min && "
+        "self.window.targetBatchSize <= self.tuning.bounds.targetBatchSize.max)",
         "message": "window.targetBatchSize must lie within tuning.bounds.targetBatchSize",
     },
     {
-        "rule": "self.window.hardCap >= self.tuning.bounds.hardCap.min && "
-        "self.window.hardCap <= self.tuning.bounds.hardCap.max",
+        "rule": "!has(self.window) || (self.window.hardCap >= self.tuning.bounds.hardCap.min && "
+        "self.window.hardCap <= self.tuning.bounds.hardCap.max)",
         "message": "window.hardCap must lie within tuning.bounds.hardCap",
     },
     {
-        "rule": "self.window.maxWaitMs >= self.tuning.bounds.maxWaitMs.min && "
-        "self.window.maxWaitMs <= self.tuning.bounds.maxWaitMs.max",
+        "rule": "!has(self.window) || (self.window.maxWaitMs >= self.tuning.bounds.maxWaitMs.min && "
+        "self.window.maxWaitMs <= self.tuning.bounds.maxWaitMs.max)",
         "message": "window.maxWaitMs must lie within tuning.bounds.maxWaitMs",
     },
     {
-        "rule": "self.window.tailMarkRatio >= self.tuning.bounds.tailMarkRatio.min && "
-        "self.window.tailMarkRatio <= self.tuning.bounds.tailMarkRatio.max",
+        "rule": "!has(self.window) || (self.window.tailMarkRatio >= self.tuning.bounds.tailMarkRatio.min && "
+        "self.window.tailMarkRatio <= self.tuning.bounds.tailMarkRatio.max)",
         "message": "window.tailMarkRatio must lie within tuning.bounds.tailMarkRatio",
     },
     {
-        "rule": "!has(self.window.maxPrefillTokens) || "
+        "rule": "!has(self.window) || !has(self.window.maxPrefillTokens) || "
         "(self.window.maxPrefillTokens >= self.tuning.bounds.maxPrefillTokens.min && "
         "self.window.maxPrefillTokens <= self.tuning.bounds.maxPrefillTokens.max)",
         "message": "window.maxPrefillTokens must lie within tuning.bounds.maxPrefillTokens",
     },
     {
-        "rule": "!has(self.lanes) || self.lanes.all(l, l.reservedSlots <= self.window.hardCap)",
+        "rule": "!has(self.window) || !has(self.lanes) || self.lanes.all(l, l.reservedSlots <= self.window.hardCap)",
         "message": "lanes[].reservedSlots must not exceed window.hardCap",
     },
     {
@@ -354,7 +360,7 @@ _BATCH_PROFILE_RULES: list[JsonValue] = [
     {
         "rule": "!has(self.engine) || self.engine != 'llamacpp' || !has(self.tuning) || !has(self.tuning.mode) || "
         "self.tuning.mode == 'recommend' || self.tuning.mode == 'restart' || "
-        "(!has(self.slo.interTokenP99Ms) && !has(self.window.maxPrefillTokens))",
+        "(!has(self.slo.interTokenP99Ms) && (!has(self.window) || !has(self.window.maxPrefillTokens)))",
         "message": GATED_BUDGET_MESSAGE,
     },
     CANARY_RULE,
@@ -398,7 +404,21 @@ class BatchProfileSpec(CamelModel):
             "the runtime's step time per batch size). Sets how far the operator may raise the cap."
         ),
     )
-    window: WindowFields = Field(description="The starting window, and the only one in static mode.")
+    given_window: WindowFields | None = Field(
+        default=None,
+        alias="window",
+        description=(
+            "The starting window, and the only one in static mode. May be left out when stepCosts is given: "
+            "the first window is then derived from the step costs and the SLO (docs/policy.md)."
+        ),
+    )
+    step_costs: StepCosts | None = Field(
+        default=None,
+        description=(
+            "What one engine step costs on this profile's device, as batchpilot-runtime calibrate measures it. "
+            "Used only to derive the first window of a profile that gives no window."
+        ),
+    )
     slo: SLO = Field(description="Latency objective.")
     tuning: Tuning = Field(default_factory=Tuning, description="How the operator tunes the window.")
     lanes: list[Lane] = Field(
@@ -415,8 +435,16 @@ class BatchProfileSpec(CamelModel):
         ),
     )
 
+    _window: WindowFields = PrivateAttr()
+
     @model_validator(mode="after")
     def _cross_field(self) -> BatchProfileSpec:
+        if self.given_window is not None:
+            self._window = self.given_window
+        elif self.step_costs is not None:
+            self._window = derived_window(self)
+        else:
+            raise ValueError(WINDOW_OR_COSTS_MESSAGE)
         problems = cross_field_problems(self.window, self.tuning.bounds, self.lanes)
         problems.extend(engine_mode_problems(self.engine, self.tuning.mode, has_restart=self.restart is not None))
         moves_budget = self.slo.inter_token_p99_ms is not None or self.window.max_prefill_tokens is not None
@@ -427,9 +455,45 @@ class BatchProfileSpec(CamelModel):
         return self
 
     @property
+    def window(self) -> WindowFields:
+        """The starting window: spec.window, or the one derived from spec.stepCosts and the SLO."""
+        return self._window
+
+    @property
+    def window_source(self) -> str:
+        """Where the starting window comes from, in words (validate and status.startingWindow say it)."""
+        if self.given_window is not None:
+            return "spec.window"
+        costs = self.step_costs
+        assert costs is not None  # a profile with neither does not validate
+        source = f", {costs.source}" if costs.source else ""
+        return (
+            f"derived from spec.stepCosts (fixed {costs.fixed_ms:g} ms, {costs.prefill_us_per_token:g} us per prompt "
+            f"token{source}) and the SLO"
+        )
+
+    @property
     def mode(self) -> TuningMode:
         """The tuning mode in force: tuning.mode, or the engine's default when it is unset."""
         return self.tuning.mode or default_mode(self.engine)
+
+
+def derived_window(spec: BatchProfileSpec) -> WindowFields:
+    """The first window of a profile without one (:mod:`batchpilot_operator.tuning.first_window`)."""
+    # Imported here: the tuning package reads these models, so it cannot be imported at load time.
+    from batchpilot_operator.tuning.first_window import first_window
+    from batchpilot_operator.tuning.friendliness import CLASS_CAP_CEILING
+
+    assert spec.step_costs is not None
+    friendliness = Friendliness.MEDIUM if spec.batch_friendliness == Friendliness.AUTO else spec.batch_friendliness
+    first_token = spec.slo.p99_ms if spec.slo.latency_metric == LatencyMetric.TTFT else None
+    return first_window(
+        spec.step_costs,
+        spec.tuning.bounds,
+        CLASS_CAP_CEILING[friendliness],
+        inter_token_ms=spec.slo.inter_token_p99_ms,
+        first_token_ms=first_token,
+    )
 
 
 def engine_mode_problems(engine: EngineKind | None, mode: TuningMode | None, *, has_restart: bool) -> list[str]:
@@ -531,6 +595,8 @@ def _parts_cross_field_problems(spec: dict[str, Any]) -> list[str]:
     raw_lanes = spec.get("lanes", [])
     parsed_lanes = [_part(Lane, raw) for raw in raw_lanes] if isinstance(raw_lanes, list) else []
     problems = cross_field_problems(window, bounds, [lane for lane in parsed_lanes if lane is not None])
+    if "window" not in spec and spec.get("stepCosts") is None:
+        problems.append(WINDOW_OR_COSTS_MESSAGE)
     if window is None or bounds is None:
         raw_bounds = tuning.get("bounds", {}) if isinstance(tuning, dict) else None
         problems = _raw_window_bounds_problems(spec.get("window"), raw_bounds) + problems
@@ -604,7 +670,8 @@ def parse_spec(spec: Any) -> BatchProfileSpec:
         lines.extend(_unchecked_window_rules(spec))
         lines.extend(f"spec: {problem}" for problem in _parts_cross_field_problems(spec))
         lines.extend(f"spec: {problem}" for problem in _parts_canary_problems(spec))
-        raise ProfileError(list(dict.fromkeys(lines))) from None
+        # A rule the parts cannot check alone (the lanes against a derived window's cap) says it itself.
+        raise ProfileError(list(dict.fromkeys(lines)) or _problem_lines(error.errors(), "spec")) from None
 
 
 def _unchecked_window_rules(spec: dict[str, Any]) -> list[str]:

@@ -144,6 +144,11 @@ class BatchProfileStatus(CamelModel):
         default=None, description="The tuning mode in force: spec.tuning.mode, or the engine's default when unset."
     )
     window: WindowInForce | None = Field(default=None, description="The window in force.")
+    starting_window: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Where the starting window came from: spec.window, or derived from spec.stepCosts and the SLO.",
+    )
     observed: Observed | None = Field(default=None, description="Figures of the last observation.")
     friendliness: FriendlinessStatus | None = Field(default=None, description="Measured batch-friendliness.")
     pods: PodsStatus | None = Field(default=None, description="Runtime pods and how many run the window in force.")

@@ -45,6 +45,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     print(f"{loaded.source}: {loaded.name or '?'}: INVALID: {problem}")
                 continue
             print(f"{loaded.source}: {loaded.namespace}/{loaded.name}: ok")
+            spec = loaded.spec
+            if spec.given_window is None:
+                w = spec.window
+                budget = "unset" if w.max_prefill_tokens is None else str(w.max_prefill_tokens)
+                window = (
+                    f"target {w.target_batch_size}, cap {w.hard_cap}, wait {w.max_wait_ms} ms, "
+                    f"tail-mark ratio {w.tail_mark_ratio:g}, budget {budget}"
+                )
+                where = f"{loaded.source}: {loaded.namespace}/{loaded.name}"
+                print(f"{where}: starting window {window}, {spec.window_source}")
             for warning in unused_settings(loaded.spec):
                 print(f"{loaded.source}: {loaded.namespace}/{loaded.name}: warning: {warning}")
     return 1 if failures else 0

@@ -114,6 +114,7 @@ def status_facts(record: ProfileRecord, pods: Sequence[PodRecord]) -> StatusFact
         generation=record.generation,
         mode=spec.mode,
         window=WindowInForce(**shown.model_dump(), applied_at=None) if shown is not None else None,
+        starting_window=spec.window_source,
         observed=obs.to_status() if obs is not None else None,
         pods=PodsStatus(
             total=len(pods),

@@ -50,6 +50,7 @@ class StatusFacts:
     generation: int | None
     mode: TuningMode | None = None  # the mode in force (spec.tuning.mode or the engine's default)
     window: WindowInForce | None = None
+    starting_window: str | None = None  # where the spec's starting window came from
     observed: Observed | None = None
     pods: PodsStatus | None = None
     last_decision: Decision | None = None
@@ -102,6 +103,7 @@ def build_status(facts: StatusFacts, previous_status: Mapping[str, Any] | None, 
         observed_generation=facts.generation,
         mode=facts.mode,
         window=facts.window,
+        starting_window=facts.starting_window,
         observed=observed,
         friendliness=facts.friendliness,
         pods=facts.pods,

@@ -88,24 +88,39 @@ def scale_arrivals(requests: Sequence[TraceRequest], multiplier: float) -> list[
     return [TraceRequest(r.arrival_s / multiplier, r.prompt_tokens, r.output_tokens) for r in requests]
 
 
+def step_costs(cost: CostModel) -> dict[str, Any]:
+    """``spec.stepCosts`` for a cost model (its KV term has no field there)."""
+    return {
+        "fixedMs": cost.fixed_s * 1000.0,
+        "prefillUsPerToken": cost.per_prefill_token_s * 1e6,
+        "decodeUsPerSequence": cost.per_decode_seq_s * 1e6,
+        "source": cost.name,
+    }
+
+
 def dual_slo_spec(
     slo: DualSLO,
-    start: Window,
+    start: Window | CostModel,
     *,
     interval_s: int = 15,
     cooldown_s: int = 30,
     hard_cap_max: int = 256,
     budget_bounds: tuple[int, int] = (128, 16_384),
 ) -> BatchProfileSpec:
-    """A profile with both objectives, starting from ``start``."""
-    window = start.model_dump(by_alias=True, mode="json")
-    window.pop("generation", None)
+    """A profile with both objectives, starting from ``start``: a window, or for a cost model no
+    window and that model's step costs (the first window is derived from them and the SLO)."""
+    if isinstance(start, Window):
+        window = start.model_dump(by_alias=True, mode="json")
+        window.pop("generation", None)
+        first: dict[str, Any] = {"window": window}
+    else:
+        first = {"stepCosts": step_costs(start)}
     return parse_spec(
         {
             "model": "sim",
             "selector": {"matchLabels": {"app": "sim"}},
             "batchFriendliness": "auto",
-            "window": window,
+            **first,
             "slo": {
                 "latencyMetric": "ttft",
                 "p99Ms": slo.ttft_p99_s * 1000.0,

@@ -65,7 +65,12 @@ class BudgetMove:
     budget: int | None
     change: Literal["lower", "raise"] | None = None  # None: it holds
     itl_over: bool = False
-    first_tokens: bool = False  # a raise asked for by first tokens (else by prompts in the queue)
+    # What asked for a raise: first tokens near or over their target, prompts in the queue (an SLO
+    # without a first-token objective), or only the gaps' room under their target.
+    cause: Literal["first_tokens", "queue", "room"] | None = None
+    # Gaps over target that the budget does not explain: the step's prompt part at this budget is too
+    # small for a cut to bring them under (see :func:`unexplained_by_budget`); the budget holds.
+    unexplained: bool = False
 
 
 def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
@@ -96,6 +101,21 @@ def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, shar
     return max(1.0, budget + room_s / per_token_s) / budget
 
 
+def unexplained_by_budget(spec: BatchProfileSpec, obs: Observations, budget: int, config: PolicyConfig) -> bool:
+    """Whether the gaps are over their setpoint even with no prompt part at all.
+
+    A gap is a step's time: its decodes' part plus ``budget`` prompt tokens at
+    ``Observations.prefill_s_per_token``. When what is left without the prompt part is still over the
+    setpoint, no cut brings the gaps under it, and a cut only makes first tokens wait (a demo run beside
+    a busy CPU: gaps of 212 ms at a budget of 355 tokens, cut to 229, and first tokens at 1.3 s). The
+    cap, not the budget, is then the lever (``moves.cap_move``). False when the cost is unknown."""
+    target_ms, per_token_s = spec.slo.inter_token_p99_ms, obs.prefill_s_per_token
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
+        return False
+    decode_part_s = obs.itl_p99_s - budget * per_token_s
+    return decode_part_s >= config.itl_setpoint_ratio * target_ms / 1000.0
+
+
 def budget_move(
     spec: BatchProfileSpec,
     window: Window,
@@ -120,6 +140,8 @@ def budget_move(
     first_tokens = not math.isnan(ttft_ratio)
     balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
     if ratio > 1.0:
+        if not math.isinf(ratio) and unexplained_by_budget(spec, obs, current, config):
+            return BudgetMove(budget, itl_over=True, unexplained=True)
         # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
         factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
         if factor > 1.0 - config.budget_min_change:
@@ -137,12 +159,20 @@ def budget_move(
         if first_tokens
         else known(obs.queue_depth) and obs.queue_depth >= 1.0
     )
-    if ratio < config.itl_raise_ratio and first_tokens_wait:
+    if ratio < config.itl_raise_ratio and (first_tokens_wait or first_tokens):
+        # With a first-token objective the gaps' room alone raises the budget: a budget kept low while
+        # first tokens have slack meets the next burst with more steps to prefill it (issue 31: on
+        # bursty traffic the window in force when a burst comes sets the P99). The gap model bounds
+        # what the raise costs: it aims the gaps at the setpoint, under the target.
         factor = min(1 + fraction, config.itl_setpoint_ratio / max(ratio, 1e-3))
+        cause: Literal["first_tokens", "queue", "room"] = (
+            "room" if not first_tokens_wait else "first_tokens" if first_tokens else "queue"
+        )
     elif ttft_ratio > 1.0:
         # First tokens over, gaps within target but close: balance, never past the gap target, whose
         # room is read from the step's own cost per prompt token.
         factor = min(balance, gap_room_factor(spec, obs, current, config.itl_raise_top_ratio, ratio))
+        cause = "first_tokens"
     else:
         return BudgetMove(budget)
     if factor < 1.0 + config.budget_min_change:
@@ -156,4 +186,38 @@ def budget_move(
     new = limit_size(current, current * factor, fraction, bound.min, top)
     if new <= budget:
         return BudgetMove(budget)
-    return BudgetMove(new, "raise", first_tokens=first_tokens)
+    return BudgetMove(new, "raise", cause=cause)
+
+
+def sparse_room_budget(
+    spec: BatchProfileSpec, window: Window, obs: Observations, config: PolicyConfig, ceiling: int | None = None
+) -> int | None:
+    """The budget an interval with too few requests for a first-token P99 may still raise, or None.
+
+    Few requests can still carry thousands of gaps (each decodes hundreds of tokens), enough for the
+    gaps' P99. At a low rate the next burst then meets the budget the gaps allow rather than the
+    starting one (issue 31: a budget of 512 held through the quiet minutes before a burst of long
+    prompts). Only a raise, and read as if no gap of the interval had shared its step with a prompt
+    chunk (a quiet engine mostly decodes alone): the whole budget, not only its increase, must fit in
+    the room under the setpoint. A cut, or any move that needs the first-token P99, waits for enough
+    requests."""
+    budget, target_ms = window.max_prefill_tokens, spec.slo.inter_token_p99_ms
+    per_token_s = obs.prefill_s_per_token
+    if spec.slo.p99_ms is None or target_ms is None or budget is None:
+        return None
+    if obs.itl_p99_saturated or not (known(obs.itl_p99_s) and known(per_token_s) and per_token_s > 0):
+        return None
+    if not (known(obs.tokens_per_s) and known(obs.window_s)):
+        return None
+    if obs.tokens_per_s * obs.window_s < config.sparse_budget_min_gaps:
+        return None
+    if obs.itl_p99_s >= config.itl_raise_ratio * target_ms / 1000.0:
+        return None
+    bound = spec.tuning.bounds.max_prefill_tokens
+    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
+    top = min(top, max(bound.min, int(prefill_top(spec, obs))))
+    fits = (config.itl_setpoint_ratio * target_ms / 1000.0 - obs.itl_p99_s) / per_token_s
+    if fits < budget * (1.0 + config.budget_min_change):
+        return None
+    new = limit_size(budget, fits, spec.tuning.max_step_fraction, bound.min, top)
+    return new if new > budget else None

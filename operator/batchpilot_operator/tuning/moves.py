@@ -26,6 +26,7 @@ class PolicyConfig:
     """Constants of the policy (not part of the resource; tests and the simulator may vary them)."""
 
     min_samples: int = 20
+    sparse_budget_min_gaps: float = 500.0  # gaps in the rate window that let a sparse interval raise the budget
     headroom_ratio: float = 0.6  # P99 below this share of the SLO is headroom
     up_confirm_intervals: int = 2  # headroom must last this many intervals before going up
     wait_min_change: float = 0.25  # with headroom, a smaller relative move of the wait is not worth a decision
@@ -273,7 +274,14 @@ class CapMove:
     cause: CapCause | None = None
 
 
-def cap_move(spec: BatchProfileSpec, window: Window, reading: Reading, ceiling: int, config: PolicyConfig) -> CapMove:
+def cap_move(
+    spec: BatchProfileSpec,
+    window: Window,
+    reading: Reading,
+    ceiling: int,
+    config: PolicyConfig,
+    gaps_beyond_budget: bool = False,
+) -> CapMove:
     """The cap: throughput when the backlog needs it, step time when the batch itself is slow.
 
     All else equal a worse first-token P99 never leaves a larger cap (monotone)."""
@@ -286,7 +294,8 @@ def cap_move(spec: BatchProfileSpec, window: Window, reading: Reading, ceiling: 
     queue_bound = cap_reached and reading.queue >= max(2.0, config.queue_bound_share * cap)
     slow_steps = reading.over and reading.step_s > config.step_slo_share * slo_s
     budget = window.max_prefill_tokens or bounds.max_prefill_tokens.max
-    floor_gaps = reading.itl_over and budget <= bounds.max_prefill_tokens.min
+    # Gaps too long with the budget at its floor, or that no budget explains: what is left is the decode.
+    floor_gaps = reading.itl_over and (budget <= bounds.max_prefill_tokens.min or gaps_beyond_budget)
     if queue_bound and not reading.soft_full and cap < ceiling:
         # A backlog that the running batch cannot absorb is a throughput problem, whatever P99 says.
         return CapMove(limit_size(cap, cap * (1 + fraction), fraction, floor, top), "backlog")

@@ -74,21 +74,26 @@ grows about linearly with a step's prompt tokens and a queue's first-token delay
 inversely, so sqrt(TTFT ratio / gap ratio) is the move that balances the two. Over the
 inter-token target the budget comes down at once towards the budget that puts the gap at 85 %
 of its target, but no further than the balance when first tokens are tight too, and not at all
-when they are further over than the gaps (a cut would move the pain to the worse tail); when it
-is already at its lower bound and the batch is at its cap, the cap comes down instead (the
-decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
+when they are further over than the gaps (a cut would move the pain to the worse tail), nor when
+the gap less its prompt part (the budget at ``Observations.prefill_s_per_token``) is still over the
+85 % point: no cut explains it (:func:`batchpilot_operator.tuning.budget.unexplained_by_budget`).
+Then, or when the budget is already at its lower bound, and the batch is at its cap, the cap comes
+down instead (the decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
 past it again until the gaps have stayed within target for 20 intervals, then by one step at a
 time (as the memory ceiling of the cap does), because the gap's P99 is set by the longest
 prompts, which a raise only meets at the next burst. The budget rises when the gaps are under
-70 % of their target while first tokens are past 50 % of theirs (towards the 85 % point), or
-when first tokens are over while the gaps are within target (towards the balance, never past
+70 % of their target (towards the 85 % point), whatever first tokens read (a budget kept low while
+they have slack meets the next burst with more steps to prefill it; the gap target bounds the
+raise's cost), or when first tokens are over while the gaps are within target (towards the balance, never past
 98 % of the gap target), by at most the step limit and never past the ceiling. How many tokens
 the room under 98 % buys is read from a prompt token's step cost
 (``Observations.prefill_s_per_token``): only the prompt part of a gap grows with the budget. For a
 first-token SLO a raise also stops at the prompt tokens one step prefills within the first-token
 target: a request that arrives as a step starts waits for that step to end, so a longer step
-makes it miss however short the queue is. A move under 5 % is not made. Otherwise it holds: a
-budget raised while nothing contends would only show its cost at the next burst. An unset budget (whole prompts) counts as the top of its bounds.
+makes it miss however short the queue is. A move under 5 % is not made. Otherwise it holds. An
+unset budget (whole prompts) counts as the top of its bounds. An interval with too few requests
+for a first-token P99 may still raise the budget alone on its gaps' room, when they are many
+enough to read (:func:`batchpilot_operator.tuning.budget.sparse_room_budget`).
 
 The gaps' target is a P99: 1 % of the gaps may run over it, the SLO's error budget. An interval
 whose gap P99 is over its target by at most 1/0.9 is read at the target (no cut, no ceiling) while
@@ -119,7 +124,7 @@ from dataclasses import dataclass, field, replace
 
 from batchpilot_operator.api.profile import BatchProfileSpec, WindowBounds
 from batchpilot_operator.tuning import reasons
-from batchpilot_operator.tuning.budget import budget_move, excused_gap_share, gap_payback
+from batchpilot_operator.tuning.budget import budget_move, excused_gap_share, gap_payback, sparse_room_budget
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate, measure, merge_curve
 from batchpilot_operator.tuning.limits import (
     RATIO_MIN_STEP,
@@ -232,7 +237,19 @@ def decide(
     # 3. Refuse to act on what cannot be trusted.
     untrusted = _untrusted(spec, obs, config)
     if untrusted is not None:
-        return hold(untrusted, replace(state, headroom_streak=0))
+        state = replace(state, headroom_streak=0)
+        raised = _sparse_budget_raise(spec, window, obs, state, now_s, config)
+        if raised is not None:
+            reason = reasons.sparse_budget_raise(spec, obs, raised, config)
+            fields: Fields = (
+                window.target_batch_size,
+                window.hard_cap,
+                window.max_wait_ms,
+                window.tail_mark_ratio,
+                raised,
+            )
+            return _change(window, fields, "up", reason, state, now_s, estimate)
+        return hold(untrusted, state)
     # Gaps a little over their target while the last hour's error budget has room are judged at the
     # target: no cut, no budget ceiling (the reasons still name the interval's own figure).
     # While the hour is over that budget the gaps are read longer, so that it is paid back; the
@@ -265,7 +282,8 @@ def decide(
         return _change(window, fields, "down", reasons.memory(obs, cap), state, now_s, estimate)
 
     # 6. The cap, then target and wait within it.
-    cap_moved = cap_move(spec, window, reading, cap_ceiling(spec, estimate, state.kv_cap_ceiling), config)
+    ceiling = cap_ceiling(spec, estimate, state.kv_cap_ceiling)
+    cap_moved = cap_move(spec, window, reading, ceiling, config, gaps_beyond_budget=budget.unexplained)
     confirmed = reading.headroom and state.headroom_streak >= config.up_confirm_intervals
     under = state.under_streak >= config.dead_band_confirm_intervals
     target_wait = target_wait_move(
@@ -280,7 +298,7 @@ def decide(
     if (new_target, new_cap, new_wait, budget.budget) != in_force:
         tail = tail_ratio(spec, window, new_wait, obs, config)
     if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
-        return hold(reasons.hold(spec, seen, reading, confirmed), state)
+        return hold(reasons.hold(spec, seen, reading, confirmed, gaps_beyond_budget=budget.unexplained), state)
 
     # 8. Name the direction and say why.
     fields = (new_target, new_cap, new_wait, tail, budget.budget)
@@ -305,6 +323,16 @@ def _untrusted(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) 
     if not known(obs.samples) or obs.samples < config.min_samples:
         return reasons.too_sparse(obs, config)
     return None
+
+
+def _sparse_budget_raise(
+    spec: BatchProfileSpec, window: Window, obs: Observations, state: PolicyState, now_s: float, config: PolicyConfig
+) -> int | None:
+    """The budget a sparse interval may still raise (see :func:`sparse_room_budget`), or None;
+    never inside the cooldown."""
+    if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
+        return None
+    return sparse_room_budget(spec, window, obs, config, state.budget_ceiling)
 
 
 def _advance_streaks(state: PolicyState, spec: BatchProfileSpec, reading: Reading, config: PolicyConfig) -> PolicyState:

@@ -31,6 +31,16 @@ def too_sparse(obs: Observations, config: PolicyConfig) -> str:
     return f"Too sparse: P99 rests on {samples} requests (< {config.min_samples}); holding."
 
 
+def sparse_budget_raise(spec: BatchProfileSpec, obs: Observations, budget: int, config: PolicyConfig) -> str:
+    samples = "an unknown number of" if not known(obs.samples) else f"{obs.samples:.0f}"
+    return (
+        f"Too sparse for the first-token P99 ({samples} requests, < {config.min_samples}), but "
+        f"{obs.tokens_per_s * obs.window_s:.0f} gaps put the inter-token P99 at {obs.itl_p99_s * 1000:.0f} ms, "
+        f"under its {spec.slo.inter_token_p99_ms:.0f} ms target: raising the prefill budget to {budget} tokens "
+        "so that the next burst needs fewer steps."
+    )
+
+
 def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
     """The P99 that decides (first tokens, else the gaps) and its target, as the reasons name them."""
     if spec.slo.p99_ms is not None:
@@ -80,9 +90,24 @@ def at_limits(reason: str) -> str:
     return reason.rstrip(".") + AT_LIMITS
 
 
-def hold(spec: BatchProfileSpec, obs: Observations, reading: Reading, confirmed_headroom: bool) -> str:
+def hold(
+    spec: BatchProfileSpec,
+    obs: Observations,
+    reading: Reading,
+    confirmed_headroom: bool,
+    *,
+    gaps_beyond_budget: bool = False,
+) -> str:
     """Why nothing moved past the gates: the limits, or the zone."""
     p99_text, slo_text = _objective(spec, obs)
+    if reading.itl_over and gaps_beyond_budget:
+        per_token_ms = obs.prefill_s_per_token * 1000
+        return (
+            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"target, more than the prompt part of a step explains ({per_token_ms * 1000:.1f} us a prompt token): "
+            "a smaller budget would not bring the gaps under it, only make first tokens wait, and the batch is "
+            "under its cap; holding."
+        )
     if reading.itl_over:
         return (
             f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
@@ -121,7 +146,11 @@ def _budget(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: B
     target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
     if move.change == "lower":
         return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
-    need = "first tokens need it" if move.first_tokens else f"{obs.queue_depth:.0f} prompts wait"
+    need = {
+        "first_tokens": "first tokens need it",
+        "queue": f"{obs.queue_depth:.0f} prompts wait",
+        "room": "so that the next burst needs fewer steps",
+    }[move.cause or "room"]
     return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
 
 
@@ -132,7 +161,10 @@ def _cap(reading: Reading, move: CapMove) -> str:
         why = f"steps of {reading.step_s * 1000:.0f} ms at this batch are too long for the SLO"
         return f"lowering the cap to {move.cap} ({why})"
     if move.cause == "floor_gaps":
-        return f"lowering the cap to {move.cap} (the prefill budget is at its floor and gaps are still too long)"
+        return (
+            f"lowering the cap to {move.cap} (gaps still too long with the prefill budget at its floor or beyond "
+            "what it explains: the rest of a step is the batch's decode)"
+        )
     if move.cause == "burst_room":
         return f"raising the cap to {move.cap} (room for a burst over the running batch of {reading.running:.0f})"
     return ""

@@ -100,10 +100,18 @@ def _run(args: argparse.Namespace) -> int:
     payload = fit.as_dict()
     payload["fit"]["stopped_early"] = stopped_early
     payload["fit"]["wall_s"] = time.perf_counter() - began
+    model_fit = fit.model
+    # Ready for a BatchProfile's spec.stepCosts: a profile that gives no window starts from one derived
+    # from these and its SLO.
+    payload["stepCosts"] = {
+        "fixedMs": round(model_fit.fixed_s * 1e3, 4),
+        "prefillUsPerToken": round(model_fit.per_prefill_token_s * 1e6, 4),
+        "decodeUsPerSequence": round(model_fit.per_decode_seq_s * 1e6, 4),
+        "source": name,
+    }
     text = json.dumps(payload, indent=2)
     if args.output:
         args.output.write_text(text + "\n")
-    model_fit = fit.model
     sys.stdout.write(
         f"{name}: fixed {model_fit.fixed_s * 1e3:.3f} ms + {model_fit.per_prefill_token_s * 1e6:.2f} us/prompt token "
         f"+ {model_fit.per_decode_seq_s * 1e6:.2f} us/decoding seq + {model_fit.per_kv_token_s * 1e9:.2f} ns/KV token "
