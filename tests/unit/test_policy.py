@@ -747,3 +747,18 @@ def test_gaps_no_budget_explains_bring_the_cap_down_when_the_batch_fills_it() ->
     assert decision.window.max_prefill_tokens == 1024
     assert decision.window.hard_cap < 64
     assert "beyond what it explains" in decision.reason
+
+
+def test_gaps_read_across_a_cut_are_the_larger_budgets_so_the_cut_goes_on() -> None:
+    spec, window = itl_spec(budget=256, itl_ms=60.0)
+    # 357 ms gaps at 256 tokens of 0.3 ms: 280 ms are left without the prompt part, over the 51 ms setpoint.
+    # Read 35 s after a cut in a 60 s rate window, they are partly the steps of the budget before it.
+    obs = make_observations(0.3, itl_p99_s=0.357, prefill_s_per_token=0.0003, window_s=60.0, mean_batch_size=6.0)
+    fresh = decide(spec, window, obs, PolicyState(last_change_s=65.0), 100.0)
+    assert fresh.window.max_prefill_tokens is not None and fresh.window.max_prefill_tokens < 256
+    settled = decide(spec, window, obs, PolicyState(last_change_s=30.0), 100.0)
+    assert settled.window.max_prefill_tokens == 256
+    assert "more than the prompt part of a step explains" in settled.reason
+    # A prompt part of half the gap or more explains it (the P99 is read off histogram buckets).
+    half = make_observations(0.3, itl_p99_s=0.357, prefill_s_per_token=0.001, window_s=60.0, mean_batch_size=6.0)
+    assert decide(spec, window, half, PolicyState(last_change_s=30.0), 100.0).window.max_prefill_tokens < 256

@@ -112,8 +112,12 @@ def unexplained_by_budget(spec: BatchProfileSpec, obs: Observations, budget: int
     target_ms, per_token_s = spec.slo.inter_token_p99_ms, obs.prefill_s_per_token
     if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
         return False
-    decode_part_s = obs.itl_p99_s - budget * per_token_s
-    return decode_part_s >= config.itl_setpoint_ratio * target_ms / 1000.0
+    prompt_part_s = budget * per_token_s
+    # The P99 is read off histogram buckets (interpolated within one, up to a third off at 300 ms), so
+    # a prompt part of half the gap or more is taken to explain it.
+    if prompt_part_s >= 0.5 * obs.itl_p99_s:
+        return False
+    return obs.itl_p99_s - prompt_part_s >= config.itl_setpoint_ratio * target_ms / 1000.0
 
 
 def budget_move(
@@ -123,9 +127,13 @@ def budget_move(
     ttft_ratio: float,
     config: PolicyConfig,
     ceiling: int | None = None,
+    settled: bool = True,
 ) -> BudgetMove:
     """The budget from the two tails: see the policy's docstring. ``ttft_ratio`` is NaN when the SLO
-    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead."""
+    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead.
+    ``settled``: the window in force has been so for the whole rate window, so that its gaps are this
+    budget's; only then may gaps be judged beyond what the budget explains (a P99 read across a cut
+    still holds the larger budget's steps)."""
     budget = window.max_prefill_tokens
     ratio = itl_ratio(spec, obs)
     if math.isnan(ratio):
@@ -140,7 +148,7 @@ def budget_move(
     first_tokens = not math.isnan(ttft_ratio)
     balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
     if ratio > 1.0:
-        if not math.isinf(ratio) and unexplained_by_budget(spec, obs, current, config):
+        if settled and not math.isinf(ratio) and unexplained_by_budget(spec, obs, current, config):
             return BudgetMove(budget, itl_over=True, unexplained=True)
         # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
         factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)

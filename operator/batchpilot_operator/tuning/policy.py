@@ -76,7 +76,8 @@ inter-token target the budget comes down at once towards the budget that puts th
 of its target, but no further than the balance when first tokens are tight too, and not at all
 when they are further over than the gaps (a cut would move the pain to the worse tail), nor when
 the gap less its prompt part (the budget at ``Observations.prefill_s_per_token``) is still over the
-85 % point: no cut explains it (:func:`batchpilot_operator.tuning.budget.unexplained_by_budget`).
+85 % point and the prompt part under half the gap, in a rate window the window in force has filled:
+no cut explains it (:func:`batchpilot_operator.tuning.budget.unexplained_by_budget`).
 Then, or when the budget is already at its lower bound, and the batch is at its cap, the cap comes
 down instead (the decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
 past it again until the gaps have stayed within target for 20 intervals, then by one step at a
@@ -270,7 +271,8 @@ def decide(
         return hold(reasons.cooldown(spec, seen, left_s), state)
 
     # 4. The budget, from the two tails; a cut sets the ceiling that later raises stop below.
-    budget = budget_move(spec, window, obs, reading.ratio, config, state.budget_ceiling)
+    settled = state.last_change_s is None or (known(obs.window_s) and now_s - state.last_change_s >= obs.window_s)
+    budget = budget_move(spec, window, obs, reading.ratio, config, state.budget_ceiling, settled)
     if budget.itl_over and budget.budget is not None:
         state = replace(state, budget_ceiling=budget.budget, itl_calm_streak=0)
 
