@@ -762,3 +762,27 @@ def test_gaps_read_across_a_cut_are_the_larger_budgets_so_the_cut_goes_on() -> N
     # A prompt part of half the gap or more explains it (the P99 is read off histogram buckets).
     half = make_observations(0.3, itl_p99_s=0.357, prefill_s_per_token=0.001, window_s=60.0, mean_batch_size=6.0)
     assert decide(spec, window, half, PolicyState(last_change_s=30.0), 100.0).window.max_prefill_tokens < 256
+
+
+def test_a_cut_that_leaves_a_prompt_chunk_over_the_gap_target_holds_while_first_tokens_need_it() -> None:
+    spec, window = itl_spec(budget=8000, itl_ms=200.0)
+    # 280 ms gaps at 8000 tokens of 61 us: a full chunk alone is 488 ms. A cut by the balance (first
+    # tokens at 0.9 of their target) stops near 6400 tokens, whose chunk is still 390 ms: each long
+    # prompt would stall every decode in more steps over the target, and first tokens need the steps.
+    tight = make_observations(0.9, itl_p99_s=0.280, prefill_s_per_token=61e-6, mean_batch_size=20.0)
+    decision = decide(spec, window, tight, PolicyState(), 100.0)
+    assert decision.direction == "hold"
+    assert decision.window.max_prefill_tokens == 8000
+    assert "a cut would split each long prompt into more steps over it" in decision.reason
+    # First tokens with room: the cut is made (nothing asks for the steps it adds).
+    roomy = make_observations(0.3, itl_p99_s=0.280, prefill_s_per_token=61e-6, mean_batch_size=20.0)
+    cut = decide(spec, window, roomy, PolicyState(), 100.0).window.max_prefill_tokens
+    assert cut is not None and cut < 8000
+    # A cut that brings the chunk under the gap target is made however tight first tokens are.
+    small = make_observations(0.9, itl_p99_s=0.280, prefill_s_per_token=20e-6, mean_batch_size=20.0)
+    cut = decide(spec, window, small, PolicyState(), 100.0).window.max_prefill_tokens
+    assert cut is not None and cut * 20e-6 < 0.200
+    # Unknown cost per prompt token: the old reading cuts.
+    unknown = make_observations(0.9, itl_p99_s=0.280, mean_batch_size=20.0)
+    cut = decide(spec, window, unknown, PolicyState(), 100.0).window.max_prefill_tokens
+    assert cut is not None and cut < 8000

@@ -77,7 +77,10 @@ of its target, but no further than the balance when first tokens are tight too, 
 when they are further over than the gaps (a cut would move the pain to the worse tail), nor when
 the gap less its prompt part (the budget at ``Observations.prefill_s_per_token``) is still over the
 85 % point and the prompt part under half the gap, in a rate window the window in force has filled:
-no cut explains it (:func:`batchpilot_operator.tuning.budget.unexplained_by_budget`).
+no cut explains it (:func:`batchpilot_operator.tuning.budget.unexplained_by_budget`), nor when
+first tokens are past half their target and a step's prompt chunk alone would still run over the
+gap target after the cut: that cut only splits each long prompt into more steps over the target
+(:func:`batchpilot_operator.tuning.budget.chunk_over_target`).
 Then, or when the budget is already at its lower bound, and the batch is at its cap, the cap comes
 down instead (the decode part of a step grows with the batch). A cut also sets a ceiling: the budget does not rise
 past it again until the gaps have stayed within target for 20 intervals, then by one step at a
@@ -300,7 +303,10 @@ def decide(
     if (new_target, new_cap, new_wait, budget.budget) != in_force:
         tail = tail_ratio(spec, window, new_wait, obs, config)
     if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
-        return hold(reasons.hold(spec, seen, reading, confirmed, gaps_beyond_budget=budget.unexplained), state)
+        why = reasons.hold(
+            spec, seen, reading, confirmed, gaps_beyond_budget=budget.unexplained, chunk_over_target=budget.chunk_over
+        )
+        return hold(why, state)
 
     # 8. Name the direction and say why.
     fields = (new_target, new_cap, new_wait, tail, budget.budget)

@@ -97,9 +97,18 @@ def hold(
     confirmed_headroom: bool,
     *,
     gaps_beyond_budget: bool = False,
+    chunk_over_target: bool = False,
 ) -> str:
     """Why nothing moved past the gates: the limits, or the zone."""
     p99_text, slo_text = _objective(spec, obs)
+    if reading.itl_over and chunk_over_target:
+        per_token_ms = obs.prefill_s_per_token * 1000
+        return (
+            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"target and {p99_text} past half of {slo_text}, but a step's prompt chunk alone would still run "
+            f"over the gap target after a cut ({per_token_ms * 1000:.1f} us a prompt token): a cut would split "
+            "each long prompt into more steps over it, each stalling every decode once more; holding."
+        )
     if reading.itl_over and gaps_beyond_budget:
         per_token_ms = obs.prefill_s_per_token * 1000
         return (
