@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import ssl
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from tests.deploy.tools import kubectl_path
@@ -141,6 +143,14 @@ class ControlPlane:
         return self.kubectl(
             "apply", "--server-side", "--field-manager=tests", "-f", "-", *extra, stdin=text, check=check
         )
+
+    def client(self, timeout_s: float = 10) -> httpx.Client:
+        """An HTTP client of the API server, signed in as the admin: for polling that ``kubectl`` (a process a
+        call) would make slow on a busy host."""
+        certs = self.directory / "certs"
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(certs / "admin.crt"), str(certs / "admin.key"))
+        return httpx.Client(base_url=self.server, verify=context, timeout=timeout_s)
 
     def namespace(self, prefix: str = "t") -> str:
         """A new namespace of this test's own (never deleted: nothing would empty it)."""
