@@ -21,6 +21,7 @@ import base64
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import yaml
 
 from tests.deploy.tools import CHART
 from tests.support.control_plane import ControlPlane
+from tests.support.factories import make_manifest, make_spec_dict
 from tests.support.hollow_release import (
     SERVE_PORT,
     HollowOperator,
@@ -246,48 +248,105 @@ def _hard_cap_in_runtime(release: Release) -> float | None:
     return None
 
 
+def _applied_windows(release: Release) -> tuple[list[int], int]:
+    """The generations of the windows the runtime applied, in order (its "window updated" log lines), and how
+    many ``PUT /admin/window`` it answered (refused ones too): its own record of every push it got."""
+    generations, puts = [], 0
+    for line in release.runtime.text().splitlines():
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        if entry.get("msg") == "window updated":
+            generations.append(int(re.search(r"gen=(\d+)", entry["window"])[1]))  # type: ignore[index]
+        elif (entry.get("method"), entry.get("path")) == ("PUT", "/admin/window"):
+            puts += 1
+    return generations, puts
+
+
+def _registrations(release: Release) -> Counter[tuple[str, str]]:
+    """How often the operator took in each (profile, generation): kopf's create, resume and update handlers."""
+    found = re.findall(r"profile \S+/(\S+) \(generation (\d+)\) registered", release.operator.text())
+    return Counter((name, generation) for name, generation in found)
+
+
+def _observed_generation(plane: ControlPlane, namespace: str, name: str) -> int:
+    status = plane.get("batchprofile", name, namespace=namespace).get("status") or {}
+    return int(status.get("observedGeneration") or 0)
+
+
+def _wait_for_observed(plane: ControlPlane, release: Release, names: list[str], generation: int) -> None:
+    deadline = time.monotonic() + SYNCED_TIMEOUT_S
+    while behind := [n for n in names if _observed_generation(plane, release.namespace, n) != generation]:
+        assert time.monotonic() < deadline, (
+            f"{behind} never observed generation {generation}\n" + (release.operator.text()[-3000:])
+        )
+        time.sleep(1)  # polling the API server for the status the operator writes
+
+
+def _patch_window(plane: ControlPlane, namespace: str, name: str, window: dict[str, Any]) -> None:
+    patch = json.dumps({"spec": {"window": window}})
+    plane.kubectl("patch", "batchprofile", name, "-n", namespace, "--type=merge", "-p", patch)
+
+
+def _wait_for_hard_cap(release: Release, hard_cap: float) -> None:
+    deadline = time.monotonic() + SYNCED_TIMEOUT_S
+    while _hard_cap_in_runtime(release) != hard_cap:
+        assert time.monotonic() < deadline, (
+            f"the runtime never got hardCap {hard_cap:g}\n" + (release.operator.text()[-3000:])
+        )
+        time.sleep(1)  # polling the runtime for the window in force
+
+
+IDLE_PROFILES = ["idle-0", "idle-1", "idle-2"]  # beside the release's: no pod matches them
+
+
 def test_the_operator_rides_out_a_kube_apiserver_restart(control_plane: ControlPlane, release: Release) -> None:
+    """Same etcd, same port: the watches resume; no profile is lost (each one's change after the restart is
+    observed) and none decided twice (each generation taken in once, each window pushed once)."""
     ns = release.namespace
-    before = _wait_for_synced(control_plane, release)["status"]["window"]
-    control_plane.stop("kube-apiserver")
-    control_plane.start("kube-apiserver")  # same etcd, same port: the operator's watches must resume
-    # While it starts the server answers the operator's reconnecting watches with 403 (its RBAC caches are
-    # not filled yet) and 429 ("storage is (re)initializing"); kopf retries. The 403s can outlast /readyz by
-    # a moment (seen once in CI: one 403 a second after the script saw /readyz), so the check below starts
-    # once the operator has acted after the restart: from then on no request of its may be refused.
-    # A change made after the restart reaches the runtime only through a resumed watch (or the watch check).
-    window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
-    control_plane.kubectl(
-        "patch", "batchprofile", PROFILE, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"window": window}})
-    )
-    deadline = time.monotonic() + SYNCED_TIMEOUT_S
-    while _hard_cap_in_runtime(release) != 12.0:
-        if time.monotonic() > deadline:
-            profile = control_plane.get("batchprofile", PROFILE, namespace=ns)
-            raise AssertionError(
-                f"the runtime never got hardCap 12: {profile['metadata']['generation']} {profile.get('status')}\n"
-                f"{release.operator.text()[-3000:]}"
-            )
-        time.sleep(1)  # polling the runtime for the window in force
-    acted_at = len(release.operator.text())
-    after = _wait_for_synced(control_plane, release)["status"]["window"]
-    # Decided once: one new generation for the one change, none for the restart itself.
-    assert (after["hardCap"], after["generation"]) == (12, before["generation"] + 1), (before, after)
-    assert release.operator.process.poll() is None
-    # Liveness may fail for a while after /readyz: a custom resource's storage answers lists with 429
-    # ("storage is (re)initializing") until its watch cache is filled again. It must come back.
-    _wait_for_liveness(release, 200, timeout_s=60)
-    # A second change, decided and pushed after the operator acted: nothing of it refused either.
-    window = {"targetBatchSize": 6, "hardCap": 14, "maxWaitMs": 10}
-    control_plane.kubectl(
-        "patch", "batchprofile", PROFILE, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"window": window}})
-    )
-    deadline = time.monotonic() + SYNCED_TIMEOUT_S
-    while _hard_cap_in_runtime(release) != 14.0:
-        assert time.monotonic() < deadline, f"the runtime never got hardCap 14\n{release.operator.text()[-3000:]}"
-        time.sleep(1)  # polling the runtime for the window in force
-    since_acted = release.operator.text()[acted_at:]
-    assert [line for line in since_acted.splitlines() if "403" in line or "orbidden" in line] == []
+    for name in IDLE_PROFILES:
+        spec = make_spec_dict(name, tuning={"mode": "static"})
+        control_plane.apply(make_manifest(spec, name=name, namespace=ns))
+    try:
+        _wait_for_observed(control_plane, release, IDLE_PROFILES, 1)
+        before = _wait_for_synced(control_plane, release)["status"]["window"]
+        profiles = {p["metadata"]["uid"] for p in control_plane.get("batchprofiles", namespace=ns)["items"]}
+        control_plane.stop("kube-apiserver")
+        control_plane.start("kube-apiserver")
+        # While it starts the server answers the operator's reconnecting watches with 403 (its RBAC caches are
+        # not filled yet) and 429 ("storage is (re)initializing"); kopf retries. The 403s can outlast /readyz by
+        # a moment (seen once in CI: one 403 a second after the script saw /readyz), so the check below starts
+        # once the operator has acted after the restart: from then on no request of its may be refused.
+        # A change made after the restart reaches the operator only through a resumed watch (or the watch check).
+        _patch_window(control_plane, ns, PROFILE, {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10})
+        for name in IDLE_PROFILES:
+            _patch_window(control_plane, ns, name, {"targetBatchSize": 4, "hardCap": 12, "maxWaitMs": 10})
+        _wait_for_hard_cap(release, 12.0)
+        acted_at = len(release.operator.text())
+        after = _wait_for_synced(control_plane, release)["status"]["window"]
+        # Decided once: one new generation for the one change, none for the restart itself.
+        assert (after["hardCap"], after["generation"]) == (12, before["generation"] + 1), (before, after)
+        # No profile lost: every one is still on the server, and the operator saw each one's change.
+        assert {p["metadata"]["uid"] for p in control_plane.get("batchprofiles", namespace=ns)["items"]} == profiles
+        _wait_for_observed(control_plane, release, IDLE_PROFILES, 2)
+        assert release.operator.process.poll() is None
+        # Liveness may fail for a while after /readyz: a custom resource's storage answers lists with 429
+        # ("storage is (re)initializing") until its watch cache is filled again. It must come back.
+        _wait_for_liveness(release, 200, timeout_s=60)
+        # A second change, decided and pushed after the operator acted: nothing of it refused either.
+        _patch_window(control_plane, ns, PROFILE, {"targetBatchSize": 6, "hardCap": 14, "maxWaitMs": 10})
+        _wait_for_hard_cap(release, 14.0)
+        assert release.operator.refused(since=acted_at) == []
+        # Nothing taken in or pushed twice, through the whole run: each (profile, generation) registered once;
+        # the runtime applied strictly newer generations, one push each, and none was refused.
+        registrations = _registrations(release)
+        assert [key for key, count in registrations.items() if count > 1] == [], registrations
+        assert {(name, "2") for name in IDLE_PROFILES} <= set(registrations)
+        generations, puts = _applied_windows(release)
+        assert generations == sorted(set(generations)) and puts == len(generations), (generations, puts)
+        assert generations[-1] == _wait_for_synced(control_plane, release)["status"]["window"]["generation"]
+    finally:
+        control_plane.kubectl("delete", "batchprofile", *IDLE_PROFILES, "-n", ns, "--ignore-not-found", "--wait=false")
 
 
 def _liveness(release: Release) -> tuple[int, str]:
