@@ -144,13 +144,20 @@ class ControlPlane:
             "apply", "--server-side", "--field-manager=tests", "-f", "-", *extra, stdin=text, check=check
         )
 
-    def client(self, timeout_s: float = 10) -> httpx.Client:
-        """An HTTP client of the API server, signed in as the admin: for polling that ``kubectl`` (a process a
-        call) would make slow on a busy host."""
+    def _admin_tls(self) -> ssl.SSLContext:
         certs = self.directory / "certs"
         context = ssl.create_default_context(cafile=str(self.ca_file))
         context.load_cert_chain(str(certs / "admin.crt"), str(certs / "admin.key"))
-        return httpx.Client(base_url=self.server, verify=context, timeout=timeout_s)
+        return context
+
+    def client(self, timeout_s: float = 10) -> httpx.Client:
+        """An HTTP client of the API server, signed in as the admin: for polling that ``kubectl`` (a process a
+        call) would make slow on a busy host."""
+        return httpx.Client(base_url=self.server, verify=self._admin_tls(), timeout=timeout_s)
+
+    def async_client(self, timeout_s: float = 10) -> httpx.AsyncClient:
+        """:meth:`client` for asyncio."""
+        return httpx.AsyncClient(base_url=self.server, verify=self._admin_tls(), timeout=timeout_s)
 
     def namespace(self, prefix: str = "t") -> str:
         """A new namespace of this test's own (never deleted: nothing would empty it)."""
