@@ -241,6 +241,49 @@ def test_a_secret_is_sent_as_an_admin_token_only_if_it_opts_in(control_plane: Co
         name_secret(None)
 
 
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
+
+
+def test_every_example_is_applied_with_kubectl_and_taken_up_by_the_operator(
+    control_plane: ControlPlane, release: Release
+) -> None:
+    """``kubectl apply -f`` (client-side, as the README has it) of every example, twice: the second changes
+    nothing (what the server defaults does not read as a change). The release's operator (every namespace)
+    reports each one: none is refused as invalid, each waits for pods."""
+    namespace = control_plane.namespace("examples")
+    manifests = []
+    for path in EXAMPLES:
+        manifest = yaml.safe_load(path.read_text())
+        manifest["metadata"]["namespace"] = namespace  # the examples say "default": a namespace of this test's
+        manifests.append(manifest)
+    documents = yaml.safe_dump_all(manifests)
+    names = [m["metadata"]["name"] for m in manifests]
+    try:
+        applied = control_plane.kubectl("apply", "-f", "-", stdin=documents).stdout
+        assert applied.count(" created") == len(EXAMPLES), applied
+        again = control_plane.kubectl("apply", "-f", "-", stdin=documents).stdout
+        assert again.count(" unchanged") == len(EXAMPLES), again
+        deadline = time.monotonic() + SYNCED_TIMEOUT_S
+        reported: dict[str, dict[str, Any] | None] = {}
+        while True:
+            reported = {
+                p["metadata"]["name"]: _condition(p, "Ready")
+                for p in control_plane.get("batchprofiles", namespace=namespace)["items"]
+            }
+            if sorted(reported) == sorted(names) and all(reported.values()):
+                break
+            assert time.monotonic() < deadline, f"not every example reported: {reported}"
+            time.sleep(1)  # polling the API server for the status the operator writes
+        # No runtime pods here: valid examples wait for pods, none is refused as invalid.
+        assert {name: ready["reason"] for name, ready in reported.items() if ready} == dict.fromkeys(
+            names, "NoReadyPods"
+        )
+        listed = control_plane.kubectl("get", "bp", "-n", namespace).stdout
+        assert "chat-assistant" in listed, listed
+    finally:
+        control_plane.kubectl("delete", "batchprofile", *names, "-n", namespace, "--ignore-not-found", "--wait=false")
+
+
 def _hard_cap_in_runtime(release: Release) -> float | None:
     for line in httpx.get(f"http://{release.runtime.ip}:{SERVE_PORT}/metrics", timeout=10).text.splitlines():
         if line.startswith("batchpilot_window_hard_cap"):

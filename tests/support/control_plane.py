@@ -31,6 +31,7 @@ from tests.deploy.tools import kubectl_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "control-plane.sh"
+CRD_FILE = REPO_ROOT / "crds" / "batchpilot.dev_batchprofiles.yaml"
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build-control-plane.sh"
 BINARIES_ENV = "BATCHPILOT_CONTROL_PLANE"
 KUBERNETES_VERSION = "v1.37.2"
@@ -158,6 +159,11 @@ class ControlPlane:
     def async_client(self, timeout_s: float = 10) -> httpx.AsyncClient:
         """:meth:`client` for asyncio."""
         return httpx.AsyncClient(base_url=self.server, verify=self._admin_tls(), timeout=timeout_s)
+
+    def install_crd(self) -> None:
+        """The committed BatchProfile CRD, applied server-side and Established (the chart installs the same)."""
+        self.kubectl("apply", "--server-side", "--field-manager=tests", "-f", str(CRD_FILE))
+        self.kubectl("wait", "--for=condition=Established", "crd/batchprofiles.batchpilot.dev", "--timeout=60s")
 
     def namespace(self, prefix: str = "t") -> str:
         """A new namespace of this test's own (never deleted: nothing would empty it)."""
