@@ -114,8 +114,7 @@ NOT_CHECKED = "some validation rules were not checked"
 
 @pytest.fixture(scope="module")
 def api(control_plane: ControlPlane) -> Iterator[client.CustomObjectsApi]:
-    control_plane.kubectl("apply", "--server-side", "--field-manager=tests", "-f", str(CRD_FILE))
-    control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    control_plane.install_crd()
     api_client = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
     with api_client:
         yield client.CustomObjectsApi(api_client)

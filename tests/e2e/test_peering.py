@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.tools import CHART, helm_path
-from tests.deploy.tools import run as run_tool
-from tests.e2e.test_cluster import _helm, _start, _stop
-from tests.integration.kmock_cluster import free_port
+from tests.deploy.tools import CHART
 from tests.support.control_plane import ControlPlane
-from tests.support.hollow import container_command, container_env, service_account_kubeconfig
+from tests.support.hollow_release import HollowOperator, helm, start_operator, stop_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -75,48 +71,33 @@ def test_the_standby_takes_over_within_the_peering_lifetime(
     plane.kubectl(
         "delete", "crd", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "--ignore-not-found", "--wait"
     )
-    _helm(plane, "install", RELEASE, CHART, "--namespace", namespace, "--values", values_file)
-    spec = plane.get("deployment", f"{RELEASE}-batchpilot-operator", namespace=namespace)["spec"]["template"]["spec"]
-    kubeconfig = service_account_kubeconfig(plane, namespace, spec["serviceAccountName"], work / "sa.kubeconfig")
+    helm(plane, "install", RELEASE, CHART, "--namespace", namespace, "--values", values_file)
     token_file = work / "admin-token"
     token_file.write_text("unused: no runtime pod here")
 
-    def operator(name: str, priority: int) -> tuple[Any, Path]:
-        args = container_command(
-            spec,
-            "operator",
-            env={"POD_NAMESPACE": namespace, "POD_NAME": name},
-            replace={
-                "--liveness": f"http://127.0.0.1:{free_port()}/healthz",
-                "--metrics-port": str(free_port()),
-                "--admin-token-file": str(token_file),
-            },
-        )
-        log = work / f"{name}.log"
-        command = [sys.executable, "-m", "batchpilot_operator.cli.main", *args, "--kubeconfig", str(kubeconfig),
-                   f"--peering-lifetime={LIFETIME_S}", f"--priority={priority}"]  # fmt: skip
-        env = {**container_env(spec, "operator"), "POD_NAMESPACE": namespace, "HOSTNAME": name, "HOME": str(work)}
-        return _start(command, log, env), log
+    def operator(name: str, priority: int) -> HollowOperator:
+        flags = (f"--peering-lifetime={LIFETIME_S}", f"--priority={priority}")
+        return start_operator(plane, namespace, f"{RELEASE}-batchpilot-operator", token_file, work, *flags, name=name)
 
-    first, first_log = operator("operator-a", 20)
-    second: Any = None
+    first = operator("operator-a", 20)
+    second: HollowOperator | None = None
     second_log = work / "operator-b.log"
-    logs = [first_log, second_log]
+    logs = [first.log, second_log]
     try:
         # 1. One replica acts (it registers the profile and writes its status). A second one with a lower
         #    priority joins, as in a rolling update: kopf finds the higher peer and keeps it paused, so it never
         #    registers the profile. (Two started at the same instant may both act for a moment before either
         #    has written its peer record: kopf's peering is not a lock.)
         _wait(lambda: _observed(plane, namespace) == 1, 120, "the active replica to write status", logs)
-        second, second_log = operator("operator-b", 10)
+        second = operator("operator-b", 10)
         _wait(lambda: "Initial authentication has finished" in second_log.read_text(), 60, "the standby's start", logs)
         time.sleep(5)  # the standby's start-up, which would register the profile were it active
         assert "registered" not in second_log.read_text(), second_log.read_text()[-2000:]
         resumed_before = second_log.read_text().count("Resuming operations after the pause")
 
         # 2. The active one is killed; a spec change is then acted on only by a replica that took over.
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=30)
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=30)
         window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
         patch = json.dumps({"spec": {"window": window}})
         plane.kubectl("patch", "batchprofile", PROFILE, "-n", namespace, "--type=merge", "-p", patch)
@@ -128,9 +109,7 @@ def test_the_standby_takes_over_within_the_peering_lifetime(
         status = plane.get("batchprofile", PROFILE, namespace=namespace)["status"]
         assert status["window"]["hardCap"] == 12 and status["window"]["generation"] == 2, status
     finally:
-        _stop(first)
+        stop_process(first.process)
         if second is not None:
-            _stop(second)
-        run_tool(
-            [helm_path(), "--kubeconfig", plane.kubeconfig, "uninstall", RELEASE, "--namespace", namespace], check=False
-        )
+            stop_process(second.process)
+        helm(plane, "uninstall", RELEASE, "--namespace", namespace, check=False)

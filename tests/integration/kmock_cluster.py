@@ -15,10 +15,11 @@ What kmock 0.8's ``KubernetesEmulator`` lacks and this adds:
 - discovery for the resources kopf, kubectl and the operator use (BatchProfiles,
   pods, events, secrets, namespaces, CRDs, kopf peerings);
 - helpers to create pods with IPs and flip their readiness, and to inject
-  failures (one-shot 409s on status patches, watch streams that go silent);
-- Deployments and StatefulSets with server-side apply, ``PUT`` and
-  ``metadata.managedFields`` (``kmock_workloads.py`` says what it does and
-  does not emulate).
+  failures (one-shot 409s on status patches, watch streams that go silent).
+
+Deployments, StatefulSets and server-side apply are not emulated: the restart path's tests run on the
+test control plane (tests/apiserver/test_restart_path.py), whose field ownership is the real one. What
+stays on this emulator is what a real server will not do on demand; each such test says what it injects.
 
 Watches stream whatever kmock streams (existing objects, then the event bus);
 ``timeoutSeconds`` is ignored, so kopf's client-side watch timeouts apply.
@@ -40,15 +41,12 @@ import kmock
 from kmock._internal import dicts, rendering
 
 from batchpilot_operator import GROUP, KIND, PLURAL, SINGULAR, VERSION
-from tests.integration import kmock_workloads
 from tests.support.factories import make_manifest
 
 PROFILES = f"{GROUP}/{VERSION}/{PLURAL}"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 SECRETS = "v1/secrets"
-DEPLOYMENTS = "apps/v1/deployments"
-STATEFULSETS = "apps/v1/statefulsets"
 
 
 def _now() -> str:
@@ -64,8 +62,6 @@ class KubeCluster(kmock.KubernetesEmulator):
     # Per resource: how many times its open watch streams were silenced, and how many streams were opened.
     _watch_silencings: dict[Any, int] = attrs.field(factory=dict, init=False)
     watches_opened: dict[Any, int] = attrs.field(factory=dict, init=False)
-    # Deployments and StatefulSets: per object, each field manager's operation and fields (kmock_workloads.py).
-    _owners: dict[Any, kmock_workloads.Owners] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -78,8 +74,6 @@ class KubeCluster(kmock.KubernetesEmulator):
         self.declare(SECRETS, info(kind="Secret", singular="secret", namespaced=True, verbs=all_verbs))
         self.declare("v1/namespaces", info(kind="Namespace", singular="namespace", namespaced=False, verbs=all_verbs))
         self.declare("v1/configmaps", info(kind="ConfigMap", singular="configmap", namespaced=True, verbs=all_verbs))
-        self.declare(DEPLOYMENTS, info(kind="Deployment", singular="deployment", namespaced=True, verbs=all_verbs))
-        self.declare(STATEFULSETS, info(kind="StatefulSet", singular="statefulset", namespaced=True, verbs=all_verbs))
         self.declare(
             "apiextensions.k8s.io/v1/customresourcedefinitions",
             info(kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
@@ -120,54 +114,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         meta["generation"] = 1
         if request.resource == kmock.resource(PROFILES):
             data.pop("status", None)  # the API server ignores status on create when the subresource exists
-        if self._is_workload(request):
-            owners: kmock_workloads.Owners = {}
-            kmock_workloads.update({}, data, owners, request.params.get("fieldManager") or "kubectl-create")
-            self._owners[(request.resource, meta.get("namespace"), meta.get("name"))] = owners
-            meta["managedFields"] = kmock_workloads.managed_fields(owners, "apps/v1")
         return attrs.evolve(request, data=data)
-
-    @staticmethod
-    def _is_workload(request: rendering.Request) -> bool:
-        return request.resource in (kmock.resource(DEPLOYMENTS), kmock.resource(STATEFULSETS))
-
-    async def _write_workload(self, request: rendering.Request) -> None:
-        """A server-side apply (PATCH, apply-patch) or an update (PUT) of a Deployment or StatefulSet."""
-        current = self._current(request)
-        if current is None:  # a real apply would create it; the restart path never creates workloads
-            raise kmock.KubernetesObjectNotFoundError()
-        if not isinstance(request.data, dict):
-            raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body is not an object")
-        assert request.resource is not None and request.name is not None
-        key = (request.resource, request.namespace, request.name)
-        owners = self._owners.setdefault(key, {})
-        manager = request.params.get("fieldManager")
-        if request.method == "PATCH":
-            if not manager:
-                raise kmock.KubernetesError(
-                    status=400, reason="BadRequest", message="PATCH: fieldManager is required for apply requests"
-                )
-            try:
-                after = kmock_workloads.apply(
-                    current, request.data, owners, manager, request.params.get("force") == "true"
-                )
-            except kmock_workloads.ApplyConflict as conflict:
-                raise kmock.KubernetesError(status=409, reason="Conflict", message=str(conflict)) from None
-        else:
-            wanted = (request.data.get("metadata") or {}).get("resourceVersion")
-            if wanted is not None and str(wanted) != str(current["metadata"].get("resourceVersion")):
-                raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
-            after = kmock_workloads.update(current, request.data, owners, manager or "kubectl-replace")
-        meta = after.setdefault("metadata", {})
-        for kept in ("name", "namespace", "uid", "creationTimestamp", "generation", "labels", "annotations"):
-            if kept in current["metadata"] and (kept not in meta or kept not in ("labels", "annotations")):
-                meta[kept] = current["metadata"][kept]
-        if after.get("spec") != current.get("spec"):
-            meta["generation"] = int(current["metadata"].get("generation") or 1) + 1
-        meta["resourceVersion"] = self._next_revision()
-        meta["managedFields"] = kmock_workloads.managed_fields(owners, "apps/v1")
-        self.objects[key].history.append(after)
-        await self._buses[request.resource].put({"type": "MODIFIED", "object": self.objects[key].raw})
 
     def _prepare_update(self, request: rendering.Request) -> rendering.Request:
         current = self._current(request)
@@ -206,18 +153,6 @@ class KubeCluster(kmock.KubernetesEmulator):
         for payload in self._payloads:
             if len(payload._requests) > 400:
                 del payload._requests[:-50]
-        content_type = request.headers.get("Content-Type", "")
-        if (
-            self._is_workload(request)
-            and request.name is not None
-            and (request.method == "PUT" or (request.method == "PATCH" and "apply-patch" in content_type))
-        ):
-            async with self._write_lock:
-                await self._write_workload(request)
-                # Answered as a read of the object now stored, logged in place of the write (see below).
-                read = attrs.evolve(request, action=kmock.action.FETCH)
-                self._relog(request, read)
-            return await super()._handle(read)
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             async with self._write_lock:
                 original = request

@@ -87,15 +87,22 @@ def write_config(path: Path, targets: Sequence[ScrapeTarget], scrape_interval_s:
 
 
 def start_prometheus(
-    workdir: Path, targets: Sequence[ScrapeTarget], *, scrape_interval_s: float = 1.0, timeout_s: float = 60.0
+    workdir: Path,
+    targets: Sequence[ScrapeTarget],
+    *,
+    scrape_interval_s: float = 1.0,
+    timeout_s: float = 60.0,
+    port: int | None = None,
 ) -> PrometheusProcess:
+    """Prometheus on ``port`` of 127.0.0.1 (a free one when None: give one only where its URL had to be
+    known before it could start), ready to answer."""
     binary = prometheus_binary()
     if binary is None:
         raise FileNotFoundError("prometheus is not installed: run scripts/system-deps.sh (as root)")
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "prometheus.yml"
     write_config(config_path, targets, scrape_interval_s)
-    port = _free_port()
+    port = port or _free_port()
     log_path = workdir / "prometheus.log"
     command = [
         binary,

@@ -64,6 +64,8 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[KubeCluster, str, dict[str,
 async def test_operator_reconciles_profiles_pods_and_failures(
     env: tuple[KubeCluster, str, dict[str, FakeAdminServer], int], tmp_path: Path
 ) -> None:
+    """Needs kmock: step 4 has status patches answered with 409 on demand (``fail_status_patches``), and step 5
+    stores a profile that slipped past validation, which the real server's CEL rules refuse."""
     cluster, url, fakes, port = env
     first, second = (fakes[ip].pods[ROOT_POD] for ip in POD_IPS)
     token_file = tmp_path / "token"
@@ -149,7 +151,11 @@ async def test_tokens_reach_only_pods_of_their_profiles_namespace(
     env: tuple[KubeCluster, str, dict[str, FakeAdminServer], int], tmp_path: Path
 ) -> None:
     """A look-alike pod (same labels) in another namespace never gets a request; a profile's Secret is read
-    in its own namespace; the operator's own token stays in its namespace (here kubeconfig's: default)."""
+    in its own namespace; the operator's own token stays in its namespace (here kubeconfig's: default).
+
+    Needs kmock: the "stranger" profile names ``adminTokenSecret.namespace``, a field the CRD does not have; a
+    real server prunes it, so the operator's own refusal of it is reached only on an emulator that stores what
+    it is sent (tests/e2e/test_cluster.py checks the admin-token label on the real server)."""
     cluster, url, fakes, port = env
     home, away = (fakes[ip].pods[ROOT_POD] for ip in POD_IPS)
     home.token, away.token = "ml-secret-token", None  # the look-alike would take any token: none may arrive

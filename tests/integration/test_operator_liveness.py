@@ -197,7 +197,9 @@ async def test_silently_dropped_watch_is_reconnected_or_fails_liveness_in_time(
     """The emulator stops sending on the open BatchProfile watch and keeps the connection open; then the spec
     changes. Whichever of kopf's inactivity timeout and the operator's watch check comes first must act within
     its configured time: kopf reconnects (the change is handled) or liveness fails (the kubelet restarts it).
-    A passing probe is cached by kopf for 10 s, hence that term in the liveness bound."""
+    A passing probe is cached by kopf for 10 s, hence that term in the liveness bound.
+
+    Needs kmock: a real server does not silence an open watch on demand."""
     async with running_cluster() as (cluster, url), httpx.AsyncClient(base_url=url, timeout=10) as api:
         response = await api.post(PROFILES_PATH, json=profile_body("ml", "chat", SPEC))
         assert response.is_success, response.text

@@ -17,18 +17,21 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import ssl
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from tests.deploy.tools import kubectl_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "control-plane.sh"
+CRD_FILE = REPO_ROOT / "crds" / "batchpilot.dev_batchprofiles.yaml"
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build-control-plane.sh"
 BINARIES_ENV = "BATCHPILOT_CONTROL_PLANE"
 KUBERNETES_VERSION = "v1.37.2"
@@ -141,6 +144,26 @@ class ControlPlane:
         return self.kubectl(
             "apply", "--server-side", "--field-manager=tests", "-f", "-", *extra, stdin=text, check=check
         )
+
+    def _admin_tls(self) -> ssl.SSLContext:
+        certs = self.directory / "certs"
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(certs / "admin.crt"), str(certs / "admin.key"))
+        return context
+
+    def client(self, timeout_s: float = 10) -> httpx.Client:
+        """An HTTP client of the API server, signed in as the admin: for polling that ``kubectl`` (a process a
+        call) would make slow on a busy host."""
+        return httpx.Client(base_url=self.server, verify=self._admin_tls(), timeout=timeout_s)
+
+    def async_client(self, timeout_s: float = 10) -> httpx.AsyncClient:
+        """:meth:`client` for asyncio."""
+        return httpx.AsyncClient(base_url=self.server, verify=self._admin_tls(), timeout=timeout_s)
+
+    def install_crd(self) -> None:
+        """The committed BatchProfile CRD, applied server-side and Established (the chart installs the same)."""
+        self.kubectl("apply", "--server-side", "--field-manager=tests", "-f", str(CRD_FILE))
+        self.kubectl("wait", "--for=condition=Established", "crd/batchprofiles.batchpilot.dev", "--timeout=60s")
 
     def namespace(self, prefix: str = "t") -> str:
         """A new namespace of this test's own (never deleted: nothing would empty it)."""

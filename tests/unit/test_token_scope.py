@@ -169,6 +169,7 @@ async def test_a_profile_naming_a_secret_of_another_namespace_reads_and_sends_no
 
 
 async def test_secret_reads_quote_the_path_and_stay_in_the_namespace() -> None:
+    """Needs kmock: it records the raw path of every request (a real server would just answer 404)."""
     async with running_cluster() as (cluster, url):
         for namespace in ("team-a", "team-b"):
             cluster.objects["v1/secrets", namespace, "chat-admin"] = {
