@@ -786,3 +786,20 @@ def test_a_cut_that_leaves_a_prompt_chunk_over_the_gap_target_holds_while_first_
     unknown = make_observations(0.9, itl_p99_s=0.280, mean_batch_size=20.0)
     cut = decide(spec, window, unknown, PolicyState(), 100.0).window.max_prefill_tokens
     assert cut is not None and cut < 8000
+
+
+def test_a_raise_for_room_alone_stops_where_a_full_prompt_chunk_reaches_the_gap_setpoint() -> None:
+    spec, window = itl_spec(budget=1024, itl_ms=100.0)
+    # Quiet gaps of 30 ms, first tokens with slack: the room reads as 1.5x, but a full chunk of 61 us
+    # tokens reaches 85 ms (the setpoint) at 1393 tokens.
+    quiet = make_observations(0.2, itl_p99_s=0.030, prefill_s_per_token=61e-6, mean_batch_size=4.0)
+    decision = decide(spec, window, quiet, PolicyState(), 100.0)
+    assert decision.direction == "up"
+    assert decision.window.max_prefill_tokens == 1393
+    # Already past that budget: nothing to raise (and room is no reason to cut).
+    spec, window = itl_spec(budget=2048, itl_ms=100.0)
+    assert decide(spec, window, quiet, PolicyState(), 100.0).window.max_prefill_tokens == 2048
+    # First tokens that wait ask for more than the room's budget: the raise goes past it.
+    waiting = make_observations(0.7, itl_p99_s=0.030, prefill_s_per_token=61e-6, mean_batch_size=4.0)
+    raised = decide(spec, window, waiting, PolicyState(), 100.0).window.max_prefill_tokens
+    assert raised is not None and raised > 2048

@@ -104,6 +104,15 @@ def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, shar
     return max(1.0, budget + room_s / per_token_s) / budget
 
 
+def chunk_fit(spec: BatchProfileSpec, obs: Observations, share: float) -> int:
+    """The budget whose prompt chunk alone takes ``share`` of the inter-token target (a large int
+    when the target or the cost per prompt token is unknown)."""
+    target_ms, per_token_s = spec.slo.inter_token_p99_ms, obs.prefill_s_per_token
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0):
+        return 1 << 30
+    return int(share * target_ms / 1000.0 / per_token_s)
+
+
 def chunk_over_target(spec: BatchProfileSpec, obs: Observations, budget: int) -> bool:
     """Whether a step's prompt part alone, at ``budget`` tokens, runs over the inter-token target.
 
@@ -206,6 +215,14 @@ def budget_move(
         return BudgetMove(budget)
     if factor < 1.0 + config.budget_min_change:
         return BudgetMove(budget)
+    if cause == "room":
+        # Nothing waits for first tokens: no further than the budget whose prompt chunk alone puts a
+        # step at the gap setpoint. Quiet gaps rarely hold a full chunk, so their room overstates the
+        # budget's (the Azure replay at x0.216: the budget floated to 16384 tokens at 27 ms gaps, and
+        # a x1.5 step cost then took 8 cuts and 20 intervals to bring the gaps back under 100 ms).
+        top = min(top, max(bound.min, chunk_fit(spec, obs, config.itl_setpoint_ratio)))
+        if top < current * (1.0 + config.budget_min_change):
+            return BudgetMove(budget)
     step_top = prefill_top(spec, obs)
     if step_top < top:
         # The estimate moves a little every interval: a raise it would cut under the minimum change holds.
