@@ -5,6 +5,9 @@ what the server keeps.
   into what is there; a field the status schema does not declare is pruned by the server, and its defaults
   filled in; a missing profile is a KubeError with status 404.
 - An Event names its profile (kind, name, namespace, uid) and is stored as written.
+- A Secret's value is read out only when the Secret carries ``batchpilot.dev/admin-token: "true"``: without
+  the label, or with another value, the client refuses (the operator then sends nothing; the profile's status
+  says why, which tests/e2e/test_cluster.py checks end to end).
 
 The client's 409 handling and its failures without an answer stay on kmock (tests/unit/test_operator_kube.py):
 a real server gives neither on demand.
@@ -19,6 +22,7 @@ import pytest
 from batchpilot_operator import API_VERSION
 from batchpilot_operator.control.records import ProfileRef
 from batchpilot_operator.io.kube import KubeClient, KubeError, KubeSink, load_kube_config
+from batchpilot_operator.io.token_secrets import ADMIN_TOKEN_LABEL, SecretNotOptedIn
 from tests.support.control_plane import ControlPlane
 from tests.support.factories import make_manifest, make_spec_dict
 
@@ -70,3 +74,21 @@ async def test_events_name_their_profile(control_plane: ControlPlane, profile: t
         "Normal", "DecisionDown", "P99 over the SLO", 1)  # fmt: skip
     assert event["source"] == {"component": "batchpilot-operator"}
     assert event["metadata"]["name"].startswith("chat.")
+
+
+async def test_a_secret_without_the_opt_in_label_is_not_read_out(control_plane: ControlPlane) -> None:
+    namespace = control_plane.namespace("secrets")
+    for name, labels in (("unlabelled", {}), ("labelled-false", {ADMIN_TOKEN_LABEL: "false"}),
+                         ("opted-in", {ADMIN_TOKEN_LABEL: "true"})):  # fmt: skip
+        control_plane.apply({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "stringData": {"token": "db-password"},
+        })  # fmt: skip
+    client = KubeClient(load_kube_config(control_plane.kubeconfig))
+    try:
+        for name in ("unlabelled", "labelled-false"):
+            with pytest.raises(SecretNotOptedIn, match=r"lacks the label batchpilot\.dev/admin-token"):
+                await client.get_secret_value(namespace, name, "token")
+        assert await client.get_secret_value(namespace, "opted-in", "token") == "db-password"
+    finally:
+        await client.aclose()

@@ -34,7 +34,6 @@ import yaml
 from batchpilot_operator import API_VERSION, PLURAL
 from batchpilot_runtime.replay.loadgen import Endpoint
 from tests.deploy.tools import CHART
-from tests.integration.kmock_cluster import free_port
 from tests.integration.prometheus_process import (
     PrometheusProcess,
     ScrapeTarget,
@@ -55,6 +54,7 @@ from tests.support.hollow_release import (
     stop_process,
 )
 from tests.support.operator_e2e import decisions_total
+from tests.support.operator_process import free_port
 
 pytestmark = [
     pytest.mark.e2e,

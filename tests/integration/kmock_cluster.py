@@ -41,7 +41,11 @@ import kmock
 from kmock._internal import dicts, rendering
 
 from batchpilot_operator import GROUP, KIND, PLURAL, SINGULAR, VERSION
+from tests.support import operator_process
 from tests.support.factories import make_manifest
+from tests.support.operator_process import free_port as free_port
+from tests.support.operator_process import free_port_on_all as free_port_on_all
+from tests.support.operator_process import wait_for as wait_for
 
 PROFILES = f"{GROUP}/{VERSION}/{PLURAL}"
 PODS = "v1/pods"
@@ -270,65 +274,11 @@ async def running_cluster() -> AsyncIterator[tuple[KubeCluster, str]]:
         yield cluster, str(server.url).rstrip("/")
 
 
-# ---- the operator as a subprocess, and waiting on conditions -------------------------------------------
+# ---- the operator as a subprocess, and waiting on conditions (tests/support/operator_process.py) -----------
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def free_port_on_all(hosts: list[str]) -> int:
-    """A port free on every one of these loopback addresses (pods share ports on different IPs)."""
-    import socket
-
-    for _ in range(50):
-        port = free_port(hosts[0])
-        try:
-            for host in hosts:
-                with socket.socket() as sock:
-                    sock.bind((host, port))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no common free port on {hosts}")
-
-
-async def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    """Poll a sync or async predicate until truthy (returned) or fail after ``timeout_s``. Never a fixed sleep."""
-    import inspect
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = predicate()
-            if inspect.isawaitable(value):
-                value = await value
-            if value:
-                return value
-        except (KeyError, IndexError, TypeError, StopIteration, ConnectionError, TimeoutError) as error:
-            last_error = error
-        except Exception as error:  # httpx errors of a busy server are transient while polling
-            if type(error).__module__.split(".")[0] not in ("httpx", "httpcore"):
-                raise
-            last_error = error
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}" + (
-                f" (last error: {last_error!r})" if last_error else ""))  # fmt: skip
-        await asyncio.sleep(interval_s)
-
-
-class OperatorProcess:
-    """``batchpilot-operator run`` against the emulator, with its log in a file.
-
-    ``args`` are the command's flags; ``options`` instead sets :class:`RunOptions` fields by name, for those
-    the command does not expose (see ``operator_options.py``).
-    """
+class OperatorProcess(operator_process.OperatorProcess):
+    """``batchpilot-operator run`` against the emulator (a kubeconfig naming ``server_url``), its log in a file."""
 
     def __init__(
         self,
@@ -338,67 +288,6 @@ class OperatorProcess:
         name: str = "operator",
         options: Mapping[str, Any] | None = None,
     ) -> None:
-        import json
-        import os
-        import subprocess
-        import sys
-
         workdir.mkdir(parents=True, exist_ok=True)
-        self.kubeconfig = KubeCluster.kubeconfig(workdir / "kubeconfig", server_url)
-        self.liveness_port = free_port()
-        self.metrics_port = free_port()
-        self.log_path = workdir / f"{name}.log"
-        liveness_url = f"http://127.0.0.1:{self.liveness_port}/healthz"
-        if options is None:
-            command = [
-                sys.executable, "-m", "batchpilot_operator.cli.main", "run", "--kubeconfig", str(self.kubeconfig),
-                "--liveness", liveness_url, "--metrics-port", str(self.metrics_port), *args,
-            ]  # fmt: skip
-        elif args:
-            raise ValueError("give the command's flags or RunOptions fields, not both")
-        else:
-            fields = {"kubeconfig": str(self.kubeconfig), "liveness": liveness_url,
-                      "metrics_port": self.metrics_port, **options}  # fmt: skip
-            runner = Path(__file__).with_name("operator_options.py")
-            command = [sys.executable, str(runner), json.dumps(fields)]
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTNAME": name}
-        )
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    async def metrics_text(self) -> str:
-        import httpx
-
-        async with httpx.AsyncClient() as client:
-            return (await client.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=20)).text
-
-    async def liveness(self) -> int:
-        return (await self.liveness_response()).status_code
-
-    async def liveness_response(self) -> Any:
-        """The kopf health endpoint's answer (an ``httpx.Response``): 200 with the probes' results, or 500."""
-        import httpx
-
-        async with httpx.AsyncClient() as client:
-            return await client.get(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=5)
-
-    def kill(self) -> None:
-        """SIGKILL: a crashed replica, which leaves its peering record to expire."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self) -> None:
-        import subprocess
-
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)  # kopf waits on its peering record at exit; not under test
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+        kubeconfig = KubeCluster.kubeconfig(workdir / "kubeconfig", server_url)
+        super().__init__(workdir, kubeconfig, *args, name=name, options=options)

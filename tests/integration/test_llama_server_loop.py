@@ -47,13 +47,13 @@ from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.loadgen import Endpoint, LoadSummary, run_load
 from batchpilot_runtime.replay.trace import TraceRequest
 from tests.integration.gate_process import GateThread, gate_thread
-from tests.integration.kmock_cluster import wait_for
 from tests.integration.llama_server_process import (
     LlamaServer,
     llama_server,
     llama_server_args,
     llamacpp_metrics,
 )
+from tests.support.operator_process import wait_for
 
 # A busy 2-core host: llama-server on one thread, calibration, a step and a recovery of a few intervals each.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("llama_server_built")]

@@ -31,7 +31,7 @@ from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.io.scrape import ScrapeSource
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod, ipv6_loopback_available
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer
-from tests.integration.kmock_cluster import wait_for
+from tests.support.operator_process import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

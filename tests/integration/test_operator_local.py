@@ -18,7 +18,7 @@ import yaml
 
 from batchpilot_runtime.contract.window import Window
 from tests.integration.fake_admin import FakeAdminServer, FakePod
-from tests.integration.kmock_cluster import wait_for
+from tests.support.operator_process import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

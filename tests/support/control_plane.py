@@ -165,6 +165,30 @@ class ControlPlane:
         self.kubectl("apply", "--server-side", "--field-manager=tests", "-f", str(CRD_FILE))
         self.kubectl("wait", "--for=condition=Established", "crd/batchprofiles.batchpilot.dev", "--timeout=60s")
 
+    def install_kopf_peering_crd(self) -> None:
+        """kopf's namespaced KopfPeering CRD, as the chart installs it (charts/batchpilot/templates/peering.yaml),
+        Established. Tests that install the chart delete kopf's CRDs first, as a fresh cluster has none."""
+        crd = {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": "kopfpeerings.kopf.dev"},
+            "spec": {
+                "group": "kopf.dev",
+                "scope": "Namespaced",
+                "names": {"kind": "KopfPeering", "plural": "kopfpeerings", "singular": "kopfpeering"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                    }
+                ],
+            },
+        }
+        self.apply(crd)
+        self.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s")
+
     def namespace(self, prefix: str = "t") -> str:
         """A new namespace of this test's own (never deleted: nothing would empty it)."""
         name = f"{prefix}-{secrets.token_hex(3)}"

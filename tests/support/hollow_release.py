@@ -29,7 +29,6 @@ import httpx
 
 from tests.deploy.tools import helm_path
 from tests.deploy.tools import run as run_tool
-from tests.integration.kmock_cluster import free_port
 from tests.integration.runtime_process import wait_until
 from tests.support.control_plane import ControlPlane
 from tests.support.hollow import (
@@ -39,6 +38,7 @@ from tests.support.hollow import (
     hollow_pod,
     service_account_kubeconfig,
 )
+from tests.support.operator_process import free_port
 
 SERVE_PORT, ADMIN_PORT = 8080, 8081  # the chart's defaults: every runtime pod's ports
 RUNTIME_START_TIMEOUT_S = 180.0
@@ -48,8 +48,10 @@ def helm(plane: ControlPlane, *args: str | Path, check: bool = True) -> subproce
     return run_tool([helm_path(), "--kubeconfig", plane.kubeconfig, *args], timeout_s=300, check=check)
 
 
-def start_process(command: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    with log.open("wb") as sink:
+def start_process(
+    command: Sequence[str], log: Path, env: Mapping[str, str], *, append: bool = False
+) -> subprocess.Popen[bytes]:
+    with log.open("ab" if append else "wb") as sink:
         return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env})
 
 
@@ -79,6 +81,8 @@ class HollowRuntime:
     ip: str
     process: subprocess.Popen[bytes]
     log: Path
+    command: list[str]
+    env: dict[str, str]
 
     @property
     def serve_url(self) -> str:
@@ -90,6 +94,25 @@ class HollowRuntime:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def restart(self) -> None:
+        """The container restarted, as a kubelet restarts one: the same command at the same address (so its
+        start-up window again, at generation 0), the Pod kept; returns once it serves."""
+        stop_process(self.process)
+        self.process = start_process(self.command, self.log, self.env, append=True)
+        _wait_serving(self.process, self.ip, self.log)
+
+
+def _wait_serving(process: subprocess.Popen[bytes], ip: str, log: Path) -> None:
+    def serving() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"the runtime exited:\n{log.read_text()[-3000:]}")
+        try:
+            return httpx.get(f"http://{ip}:{SERVE_PORT}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(serving, RUNTIME_START_TIMEOUT_S, f"the hollow runtime at {ip} to serve", interval_s=0.2)
 
 
 def start_runtime(
@@ -108,25 +131,16 @@ def start_runtime(
     args = container_command(
         spec, "runtime", env={}, replace={"--host": ip, "--admin-token-file": str(token_file), **(replace or {})}
     )
-    process = start_process(
-        [sys.executable, "-m", "batchpilot_runtime.cli.main", *args], log, container_env(spec, "runtime")
-    )
-
-    def serving() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the runtime exited:\n{log.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://{ip}:{SERVE_PORT}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    command = [sys.executable, "-m", "batchpilot_runtime.cli.main", *args]
+    env = container_env(spec, "runtime")
+    process = start_process(command, log, env)
     try:
-        wait_until(serving, RUNTIME_START_TIMEOUT_S, f"the hollow runtime at {ip} to serve", interval_s=0.2)
+        _wait_serving(process, ip, log)
         pod = hollow_pod(plane, namespace, deployment, ip)
     except BaseException:
         stop_process(process)
         raise
-    return HollowRuntime(pod["metadata"]["name"], ip, process, log)
+    return HollowRuntime(pod["metadata"]["name"], ip, process, log, command, env)
 
 
 @dataclass

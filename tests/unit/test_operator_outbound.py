@@ -16,7 +16,7 @@ from batchpilot_operator.io.promql import PrometheusSource
 from batchpilot_operator.io.scrape import ScrapeSource
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod
 from tests.integration.fake_admin import FakeAdminServer
-from tests.integration.kmock_cluster import wait_for
+from tests.support.operator_process import wait_for
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,8 @@ from batchpilot_operator.io.push import (
 )
 from tests.integration.chaos_pod import HUGE_BYTES, ChaosPod, ipv6_loopback_available
 from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, closed_port_url
-from tests.integration.kmock_cluster import wait_for
 from tests.support.factories import make_window
+from tests.support.operator_process import wait_for
 
 
 async def no_sleep(_: float) -> None:

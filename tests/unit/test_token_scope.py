@@ -195,23 +195,6 @@ async def test_secret_reads_quote_the_path_and_stay_in_the_namespace() -> None:
     ]
 
 
-async def test_a_secret_without_the_opt_in_label_is_not_read_out() -> None:
-    async with running_cluster() as (cluster, url):
-        for name, labels in (("unlabelled", {}), ("labelled-false", {ADMIN_TOKEN_LABEL: "false"})):
-            cluster.objects["v1/secrets", "team-a", name] = {
-                "apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": name, "namespace": "team-a", "labels": labels},
-                "data": {"token": base64.b64encode(b"db-password").decode()},
-            }  # fmt: skip
-        client = KubeClient(KubeConfig.for_server(url))
-        try:
-            for name in ("unlabelled", "labelled-false"):
-                with pytest.raises(SecretNotOptedIn, match=r"lacks the label batchpilot\.dev/admin-token"):
-                    await client.get_secret_value("team-a", name, "token")
-        finally:
-            await client.aclose()
-
-
 async def test_a_profile_naming_a_secret_that_did_not_opt_in_sends_nothing_and_says_why(cluster: Cluster) -> None:
     pod = cluster.add_pod("team-a", "chat-0")
     cluster.sink.not_opted_in = True

@@ -4,7 +4,7 @@
 the peering check period and the stuck-loop limit are fixed there. A test that
 needs ten watch checks in twenty seconds sets them here instead:
 
-    python tests/integration/operator_options.py '{"kubeconfig": "...", "watch_check_s": 2}'
+    python tests/support/operator_options.py '{"kubeconfig": "...", "watch_check_s": 2}'
 
 The JSON object holds RunOptions fields by name; path fields take strings.
 """
