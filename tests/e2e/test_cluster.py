@@ -306,10 +306,12 @@ def _applied_windows(release: Release) -> tuple[list[int], int]:
     return generations, puts
 
 
-def _registrations(release: Release) -> Counter[tuple[str, str]]:
-    """How often the operator took in each (profile, generation): kopf's create, resume and update handlers."""
-    found = re.findall(r"profile \S+/(\S+) \(generation (\d+)\) registered", release.operator.text())
-    return Counter((name, generation) for name, generation in found)
+def _registrations(release: Release) -> Counter[tuple[str, str, str]]:
+    """How often the operator took in each (namespace, profile, generation): kopf's create, resume and update
+    handlers. The release's operator watches every namespace, so the session's other tests' profiles (the
+    examples, applied in several namespaces under the same names) count too."""
+    found = re.findall(r"profile (\S+)/(\S+) \(generation (\d+)\) registered", release.operator.text())
+    return Counter((namespace, name, generation) for namespace, name, generation in found)
 
 
 def _observed_generation(plane: ControlPlane, namespace: str, name: str) -> int:
@@ -384,7 +386,7 @@ def test_the_operator_rides_out_a_kube_apiserver_restart(control_plane: ControlP
         # the runtime applied strictly newer generations, one push each, and none was refused.
         registrations = _registrations(release)
         assert [key for key, count in registrations.items() if count > 1] == [], registrations
-        assert {(name, "2") for name in IDLE_PROFILES} <= set(registrations)
+        assert {(ns, name, "2") for name in IDLE_PROFILES} <= set(registrations)
         generations, puts = _applied_windows(release)
         assert generations == sorted(set(generations)) and puts == len(generations), (generations, puts)
         assert generations[-1] == _wait_for_synced(control_plane, release)["status"]["window"]["generation"]

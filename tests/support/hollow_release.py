@@ -108,7 +108,9 @@ def _wait_serving(process: subprocess.Popen[bytes], ip: str, log: Path) -> None:
         if process.poll() is not None:
             raise AssertionError(f"the runtime exited:\n{log.read_text()[-3000:]}")
         try:
-            return httpx.get(f"http://{ip}:{SERVE_PORT}/healthz", timeout=2).status_code == 200
+            # /health, not /healthz: liveness passes while the model loads, and the admin API answers 503 until it
+            # has (seen once in CI: the window read right after a restart was refused as "loading").
+            return httpx.get(f"http://{ip}:{SERVE_PORT}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
