@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "batchpilot_runtime.cli.loadgen",
     "batchpilot_runtime.cli.generate",
     "batchpilot_runtime.cli.calibrate",
+    "batchpilot_runtime.cli.time_step",
     "batchpilot_runtime.cli.servegen",
 )
 
