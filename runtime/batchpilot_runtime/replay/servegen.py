@@ -219,6 +219,29 @@ class Replay:
         )
 
 
+def _client_lengths(
+    data: ServeGenData, client: ServeGenClient, arrivals: FloatArray, rng: np.random.Generator
+) -> tuple[IntArray, IntArray]:
+    """Prompt and output tokens (each >= 1) of ``client``'s requests arriving at ``arrivals``, drawn
+    from the PMFs of each one's 6-hour window."""
+    prompt = np.ones(arrivals.size, dtype=np.int64)
+    output = np.ones(arrivals.size, dtype=np.int64)
+    window_index = (arrivals // LENGTH_WINDOW_S).astype(np.int64)
+    for index in np.unique(window_index):
+        chosen = window_index == index
+        n = int(chosen.sum())
+        pin, pout = data.pmfs_for(client, float(index) * LENGTH_WINDOW_S)
+        if pin is None or pout is None:
+            raise ValueError(
+                f"{data.model}: no client has token lengths for the 6-hour window starting at "
+                f"{float(index) * LENGTH_WINDOW_S:g} s"
+            )
+        # Two separate uniform streams: input and output lengths are independent.
+        prompt[chosen] = pin.sample(rng, n)
+        output[chosen] = pout.sample(rng, n)
+    return np.maximum(prompt, 1), np.maximum(output, 1)
+
+
 def generate_replay(
     data: ServeGenData,
     day: int,
@@ -269,25 +292,10 @@ def generate_replay(
         arrivals = _client_arrivals(client, begin, end, rate_scale, np.random.default_rng([seed, client.client_id, 0]))
         if arrivals.size == 0:
             continue
-        length_rng = np.random.default_rng([seed, client.client_id, 1])
-        prompt = np.ones(arrivals.size, dtype=np.int64)
-        output = np.ones(arrivals.size, dtype=np.int64)
-        window_index = (arrivals // LENGTH_WINDOW_S).astype(np.int64)
-        for index in np.unique(window_index):
-            chosen = window_index == index
-            n = int(chosen.sum())
-            pin, pout = data.pmfs_for(client, float(index) * LENGTH_WINDOW_S)
-            if pin is None or pout is None:
-                raise ValueError(
-                    f"{data.model}: no client has token lengths for the 6-hour window starting at "
-                    f"{float(index) * LENGTH_WINDOW_S:g} s"
-                )
-            # Two separate uniform streams: input and output lengths are independent.
-            prompt[chosen] = pin.sample(length_rng, n)
-            output[chosen] = pout.sample(length_rng, n)
+        prompt, output = _client_lengths(data, client, arrivals, np.random.default_rng([seed, client.client_id, 1]))
         times.append(arrivals)
-        prompts.append(np.maximum(prompt, 1))
-        outputs.append(np.maximum(output, 1))
+        prompts.append(prompt)
+        outputs.append(output)
     requests: list[TraceRequest] = []
     if times:
         all_times = np.concatenate(times) - begin
