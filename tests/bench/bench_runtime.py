@@ -23,7 +23,8 @@ trace's (scaled) lengths (no stop token). A dedicated run at 64 concurrent decod
 measures the share of step time spent outside the model's forward pass.
 
 Writes JSON ({"systems": {name: {"tokens_per_s", "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", ...}},
-"scheduler_overhead_fraction", "config", ...}) and a PNG.
+"scheduler_overhead_fraction", "config", ...}) and a PNG. The flags and the report are in
+``runtime_report.py``, the requests and the replay clock in ``runtime_workload.py``; the systems are here.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,114 +46,27 @@ from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.engine.engine import Engine
 from batchpilot_runtime.engine.types import GenerationRequest
 from batchpilot_runtime.model.batch import ForwardBatch
-from batchpilot_runtime.model.config import config_from_name, describe
-from batchpilot_runtime.model.kernels import BATCH_INVARIANT_ENV
+from batchpilot_runtime.model.config import config_from_name
 from batchpilot_runtime.model.kv_cache import PagedKVCache
 from batchpilot_runtime.model.model import LlamaModel
 from batchpilot_runtime.model.sources import load_checkpoint, resolve_checkpoint
 from batchpilot_runtime.model.tokenizer import ByteTokenizer
-from batchpilot_runtime.replay.trace import (
-    DEFAULT_TRACE_PATH,
-    TraceRequest,
-    TraceScaling,
-    read_trace,
-    scale_trace,
-    time_scale_for_rate,
-)
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import RequestTimings, SchedulerConfig, StepStats
+from tests.bench.runtime_report import (
+    add_comparisons,
+    build_result,
+    parse_args,
+    plot,
+    print_overhead,
+    print_system,
+    print_workload,
+    summarize,
+    token_agreement,
+)
+from tests.bench.runtime_workload import Job, Outcome, ReplayClock, make_jobs
 
-SYSTEMS = ("continuous", "static", "sequential", "hf_static")
-# An outside reference, run only when asked: llama.cpp through llama-cpp-python (not a dependency:
-# it builds llama.cpp from source), on the same GGUF file with its own quantized kernels.
-REFERENCE_SYSTEMS = ("llama_cpp",)
 BLOCK_SIZE = 16
-
-
-@dataclass(frozen=True)
-class Job:
-    """One request of the replay: when it arrives (s from the replay's start) and what it asks."""
-
-    index: int
-    arrival_s: float
-    prompt: list[int]
-    output_tokens: int
-
-
-@dataclass(frozen=True)
-class Outcome:
-    index: int
-    arrival_s: float
-    first_token_s: float
-    finished_s: float
-    output_tokens: int
-
-
-class ReplayClock:
-    """Seconds since the replay started: the trace's arrival times live on this clock.
-
-    ``cpu`` (the default) counts this thread's CPU time, plus the idle gaps the replay skips
-    instead of sleeping through them. With one torch thread every system computes on the
-    calling thread, so this clock measures the work each system does as if it had a core to
-    itself: the other processes of a shared machine do not leak into the figures, and the
-    systems, run one after the other, are compared on equal terms. ``wall`` is real time (for
-    a dedicated machine), where idle gaps are slept.
-
-    ``scale`` (cpu only) multiplies the CPU time counted: 0.8 replays as if on a host 1.25x as fast,
-    which moves where static batches close (--clock-scale).
-    """
-
-    def __init__(self, kind: str, scale: float = 1.0) -> None:
-        if kind not in ("cpu", "wall"):
-            raise ValueError(f"clock must be 'cpu' or 'wall', got {kind!r}")
-        if scale <= 0 or (kind == "wall" and scale != 1.0):
-            raise ValueError(f"clock scale: must be > 0, and 1 with the wall clock, got {scale} ({kind})")
-        self.kind = kind
-        self.scale = scale
-        self._read = time.thread_time if kind == "cpu" else time.monotonic
-        self.origin = self._read()
-        self.skipped_s = 0.0
-
-    def reset(self) -> None:
-        self.origin = self._read()
-        self.skipped_s = 0.0
-
-    def __call__(self) -> float:
-        return (self._read() - self.origin) * self.scale + self.skipped_s
-
-    def idle_until(self, wake_s: float) -> None:
-        """Nothing to do before ``wake_s``: skip (cpu) or sleep (wall) up to it."""
-        delay_s = wake_s - self()
-        if delay_s <= 0 or delay_s == float("inf"):
-            return
-        if self.kind == "cpu":
-            self.skipped_s += delay_s
-        else:
-            time.sleep(min(delay_s, 0.05))
-
-
-# -- the workload ------------------------------------------------------------------------
-
-
-def make_jobs(args: argparse.Namespace, vocab_size: int) -> tuple[list[Job], TraceScaling]:
-    trace = read_trace(args.trace)
-    window_slice = scale_trace(trace, TraceScaling(start_s=args.start_s, limit=args.requests))
-    time_scale = time_scale_for_rate(window_slice, args.rate)
-    scaling = TraceScaling(
-        time_scale=time_scale,
-        token_scale=args.token_scale,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_output_tokens=args.max_output_tokens,
-        start_s=args.start_s,
-        limit=args.requests,
-    )
-    scaled: list[TraceRequest] = scale_trace(trace, scaling)
-    rng = random.Random(args.seed)
-    jobs = [
-        Job(i, r.arrival_s, [rng.randrange(vocab_size) for _ in range(r.prompt_tokens)], r.output_tokens)
-        for i, r in enumerate(scaled)
-    ]
-    return jobs, scaling
 
 
 # -- batchpilot ------------------------------------------------------------------------------
@@ -440,150 +352,7 @@ def measure_overhead(model: LlamaModel, num_seqs: int, prompt_tokens: int, decod
     }
 
 
-# -- reporting -----------------------------------------------------------------------------------
-
-
-def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    ttft = np.array([o.first_token_s - o.arrival_s for o in outcomes])
-    e2e = np.array([o.finished_s - o.arrival_s for o in outcomes])
-    start_s = min(o.arrival_s for o in outcomes)
-    end_s = max(o.finished_s for o in outcomes)
-    tokens = sum(o.output_tokens for o in outcomes)
-    return {
-        "tokens_per_s": tokens / (end_s - start_s),
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "e2e_p50_s": float(np.percentile(e2e, 50)),
-        "e2e_p99_s": float(np.percentile(e2e, 99)),
-        "makespan_s": end_s - start_s,
-        "requests": len(outcomes),
-        "output_tokens": tokens,
-    }
-
-
-def plot(result: dict[str, Any], e2e_by_system: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["systems"])
-    systems = result["systems"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
-    axes[0].bar(names, [systems[n]["tokens_per_s"] for n in names], color=colors[: len(names)])
-    axes[0].set_title("throughput (output tokens/s)")
-    width = 0.25
-    xs = np.arange(len(names))
-    for offset, key in enumerate(("ttft_p50_s", "ttft_p99_s", "e2e_p99_s")):
-        axes[1].bar(xs + (offset - 1) * width, [systems[n][key] for n in names], width, label=key)
-    axes[1].set_xticks(xs, names)
-    axes[1].set_yscale("log")
-    axes[1].set_title("latency (s)")
-    axes[1].legend()
-    for color, name in zip(colors, names, strict=False):
-        values = np.sort(np.array(e2e_by_system[name]))
-        axes[2].plot(values, np.arange(1, len(values) + 1) / len(values), label=name, color=color)
-    axes[2].set_xscale("log")
-    axes[2].set_xlabel("end-to-end latency (s)")
-    axes[2].set_title("end-to-end latency CDF")
-    axes[2].legend()
-    config = result["config"]
-    fig.suptitle(
-        f"batchpilot runtime vs transformers generate — {config['preset']} on {config['device']}, "
-        f"{config['requests']} requests, {config['scaling_description']}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="a smaller replay that finishes in < 3 minutes here")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE_PATH, help="Azure-format trace CSV")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="small", help="model preset with seeded random weights (default: small)")
-    source.add_argument(
-        "--checkpoint", help="a named model (smollm2-135m-instruct), a Llama GGUF file or a safetensors directory"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompt seed")
-    parser.add_argument("--requests", type=int, help="requests taken from the trace (default 128; quick 32)")
-    parser.add_argument("--start-s", type=float, default=0.0, help="where the slice starts in the original trace")
-    parser.add_argument(
-        "--rate",
-        type=float,
-        default=32.0,
-        help="mean arrival rate after time scaling, req/s (default 32: above every system's capacity here, so\n"
-        "tokens/s measures capacity; at 8 continuous batching nearly keeps up and reports the offered load)",
-    )
-    parser.add_argument("--token-scale", type=float, default=0.1, help="prompt/output length scale (default 0.1)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="clamp on scaled prompts (default 1024)")
-    parser.add_argument("--max-output-tokens", type=int, default=256, help="clamp on scaled outputs (default 256)")
-    parser.add_argument("--target-batch-size", type=int, default=16, help="window targetBatchSize (default 16)")
-    parser.add_argument("--hard-cap", type=int, default=32, help="window hardCap (default 32)")
-    parser.add_argument("--max-wait-ms", type=int, default=100, help="window maxWaitMs (default 100)")
-    parser.add_argument("--max-prefill-tokens", type=int, help="chunked-prefill budget for batchpilot (default none)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=32_768, help="batchpilot KV capacity (default 32768)")
-    parser.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="batchpilot's batch-invariant kernels (token-exact batching, slower; default: off, the fastest\n"
-        f"kernels, unless {BATCH_INVARIANT_ENV}=1)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="dtype of batchpilot's model and of transformers' (default float32, the runtime's CPU default;\n"
-        "bfloat16 is several times faster in GEMMs on CPUs with AVX-512 bf16 or AMX)",
-    )
-    parser.add_argument(
-        "--clock",
-        choices=("cpu", "wall"),
-        default="cpu",
-        help="replay clock: this thread's CPU time with idle gaps skipped (default; immune to other load on a\n"
-        "shared machine), or wall time (a dedicated machine)",
-    )
-    parser.add_argument(
-        "--clock-scale",
-        type=float,
-        default=1.0,
-        help="multiply the CPU clock by this (default 1): 0.8 replays as if on a host 1.25x as fast. Static\n"
-        "batches close by the window rule on that clock, so this shows how much a ratio owes to where\n"
-        "HF's batches happen to close on this host",
-    )
-    parser.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="before the timed systems, one untimed continuous replay of the same requests (and one untimed\n"
-        "generate for HF), so that no system pays the process's first large allocations for the others\n"
-        "(default: on)",
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every system (default 1)")
-    parser.add_argument("--overhead-seqs", type=int, default=64, help="running sequences of the overhead run")
-    parser.add_argument(
-        "--systems",
-        nargs="+",
-        choices=SYSTEMS + REFERENCE_SYSTEMS,
-        default=list(SYSTEMS),
-        help="systems to run; llama_cpp (an outside reference, with a GGUF --checkpoint) only when named",
-    )
-    parser.add_argument("--json", type=Path, default=Path("out/bench/runtime.json"), help="output JSON path")
-    parser.add_argument("--plot", type=Path, default=Path("out/bench/runtime.png"), help="output PNG path")
-    args = parser.parse_args(argv)
-    try:
-        ReplayClock(args.clock, args.clock_scale)  # the clock's own rule, checked before anything loads
-    except ValueError as exc:
-        parser.error(f"--clock-scale: {exc}")
-    if args.requests is None:
-        args.requests = 32 if args.quick else 128
-    return args
+# -- the run ---------------------------------------------------------------------------------------
 
 
 def load_model(args: argparse.Namespace) -> tuple[LlamaModel, str]:
@@ -598,6 +367,50 @@ def load_model(args: argparse.Namespace) -> tuple[LlamaModel, str]:
     return model, source.name
 
 
+def warm_up(model: LlamaModel, window: Window, jobs: Sequence[Job], args: argparse.Namespace) -> None:
+    """One untimed continuous replay: the process's first large allocations and cold caches would
+    otherwise fall on whichever system runs first."""
+    t0 = time.monotonic()
+    engine, clock, _ = make_engine(model, window, "continuous", args.kv_cache_tokens, args.max_prefill_tokens)
+    replay_engine(engine, clock, jobs)
+    del engine
+    print(f"    warmup: one untimed continuous replay ({time.monotonic() - t0:.0f} s)")
+
+
+def run_system(
+    name: str, args: argparse.Namespace, model: LlamaModel, window: Window, jobs: Sequence[Job], extra: dict[str, Any]
+) -> tuple[list[Outcome], dict[int, list[int]]]:
+    """Replay ``jobs`` through system ``name``: its outcomes and each request's tokens; its batching
+    figures go into ``extra``."""
+    if name == "llama_cpp":
+        return replay_llama_cpp(
+            resolve_checkpoint(args.checkpoint).path, jobs, args.threads, args.clock, args.clock_scale
+        )
+    if name == "hf_static":
+        with tempfile.TemporaryDirectory() as directory:
+            hf = load_hf(model, Path(directory))
+            if args.warmup:
+                warm_up_hf(hf, jobs[0])
+            outcomes, tokens, batch_sizes = replay_hf(hf, window, jobs, args.clock, args.clock_scale)
+        extra["hf_static_mean_batch"] = float(np.mean(batch_sizes))
+        return outcomes, tokens
+    system_window = Window(target_batch_size=1, hard_cap=1, max_wait_ms=0) if name == "sequential" else window
+    batching = "static" if name == "static" else "continuous"
+    engine, clock, log = make_engine(
+        model,
+        system_window,
+        batching,
+        args.kv_cache_tokens,
+        args.max_prefill_tokens,
+        args.clock,
+        args.clock_scale,
+    )
+    outcomes, tokens = replay_engine(engine, clock, jobs)
+    extra[f"{name}_mean_batch"] = float(np.mean([s.batch_size for s, _, _ in log.steps]))
+    extra[f"{name}_preemptions"] = sum(s.preempted for s, _, _ in log.steps)
+    return outcomes, tokens
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if "llama_cpp" in args.systems and (args.checkpoint is None or resolve_checkpoint(args.checkpoint).kind != "gguf"):
@@ -605,136 +418,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.monotonic()
     model, model_name = load_model(args)
-    config = model.config
-    jobs, scaling = make_jobs(args, config.vocab_size)
-    prompt_tokens = [len(j.prompt) for j in jobs]
-    output_tokens = [j.output_tokens for j in jobs]
+    jobs, scaling = make_jobs(args, model.config.vocab_size)
     window = Window(target_batch_size=args.target_batch_size, hard_cap=args.hard_cap, max_wait_ms=args.max_wait_ms)
-    print(
-        f"model: {model_name} ({config.num_parameters / 1e6:.1f} M parameters), cpu {args.dtype}, {args.threads} thread(s), "
-        f"batch-invariant {'on' if model.batch_invariant else 'off'}"
-    )
-    print(f"trace: {args.trace.name}, {len(jobs)} requests, scaling: {scaling.describe()}")
-    print(
-        f"  -> {len(jobs) / max(jobs[-1].arrival_s, 1e-9):.2f} req/s over {jobs[-1].arrival_s:.1f} s; "
-        f"prompt tokens mean {np.mean(prompt_tokens):.0f} (max {max(prompt_tokens)}), "
-        f"output tokens mean {np.mean(output_tokens):.1f} (max {max(output_tokens)})"
-    )
-    scaled = f" x{args.clock_scale:g}" if args.clock_scale != 1.0 else ""
-    print(f"window: {window.describe()}; replay clock: {args.clock}{scaled}")
+    print_workload(args, model, model_name, jobs, scaling, window)
     systems: dict[str, dict[str, Any]] = {}
     e2e_by_system: dict[str, list[float]] = {}
     tokens_by_system: dict[str, dict[int, list[int]]] = {}
     extra: dict[str, Any] = {}
     if args.warmup and set(args.systems) & {"continuous", "static", "sequential"}:
-        # first large allocations and cold caches would otherwise fall on whichever system runs first
-        t0 = time.monotonic()
-        engine, clock, _ = make_engine(model, window, "continuous", args.kv_cache_tokens, args.max_prefill_tokens)
-        replay_engine(engine, clock, jobs)
-        del engine
-        print(f"    warmup: one untimed continuous replay ({time.monotonic() - t0:.0f} s)")
+        warm_up(model, window, jobs, args)
     for name in args.systems:
         t0 = time.monotonic()
-        if name == "llama_cpp":
-            outcomes, tokens = replay_llama_cpp(
-                resolve_checkpoint(args.checkpoint).path, jobs, args.threads, args.clock, args.clock_scale
-            )
-        elif name == "hf_static":
-            with tempfile.TemporaryDirectory() as directory:
-                hf = load_hf(model, Path(directory))
-                if args.warmup:
-                    warm_up_hf(hf, jobs[0])
-                outcomes, tokens, batch_sizes = replay_hf(hf, window, jobs, args.clock, args.clock_scale)
-            extra["hf_static_mean_batch"] = float(np.mean(batch_sizes))
-        else:
-            system_window = Window(target_batch_size=1, hard_cap=1, max_wait_ms=0) if name == "sequential" else window
-            batching = "static" if name == "static" else "continuous"
-            engine, clock, log = make_engine(
-                model,
-                system_window,
-                batching,
-                args.kv_cache_tokens,
-                args.max_prefill_tokens,
-                args.clock,
-                args.clock_scale,
-            )
-            outcomes, tokens = replay_engine(engine, clock, jobs)
-            extra[f"{name}_mean_batch"] = float(np.mean([s.batch_size for s, _, _ in log.steps]))
-            extra[f"{name}_preemptions"] = sum(s.preempted for s, _, _ in log.steps)
+        outcomes, tokens = run_system(name, args, model, window, jobs, extra)
         summary = summarize(outcomes)
         summary["wall_s"] = time.monotonic() - t0
         systems[name] = summary
         e2e_by_system[name] = [o.finished_s - o.arrival_s for o in outcomes]
         tokens_by_system[name] = tokens
-        print(
-            f"{name:>10}: {summary['tokens_per_s']:7.1f} tok/s  TTFT p50 {summary['ttft_p50_s']:6.2f} s "
-            f"p99 {summary['ttft_p99_s']:6.2f} s  e2e p99 {summary['e2e_p99_s']:6.2f} s  "
-            f"(makespan {summary['makespan_s']:.1f} s, ran {summary['wall_s']:.0f} s)",
-            flush=True,
-        )
-    reference = tokens_by_system.get("continuous")
-    agreement = {}
-    if reference is not None:
-        for name, tokens in tokens_by_system.items():
-            if name != "continuous":
-                same = sum(tokens[i] == reference[i] for i in reference)
-                agreement[name] = same / len(reference)
+        print_system(name, summary)
+    agreement = token_agreement(tokens_by_system)
     overhead = measure_overhead(model, args.overhead_seqs, prompt_tokens=32, decode_steps=12 if args.quick else 32)
-    print(
-        f"overhead at {overhead['running_sequences']} running sequences: "
-        f"{100 * overhead['fraction_cpu']:.1f} % of step CPU time outside the forward "
-        f"({overhead['step_ms_cpu']:.1f} ms/step; wall: {100 * overhead['fraction_wall']:.1f} % "
-        f"of {overhead['step_ms_wall']:.1f} ms)"
-    )
-    result: dict[str, Any] = {
-        "systems": systems,
-        "scheduler_overhead_fraction": overhead["fraction_cpu"],
-        "overhead": overhead,
-        "token_agreement_with_continuous": agreement,
-        "batching": extra,
-        "config": {
-            "preset": model_name,
-            "checkpoint": args.checkpoint,
-            "model": describe(config),
-            "device": "cpu",
-            "dtype": args.dtype,
-            "threads": args.threads,
-            "clock": args.clock,
-            "clock_scale": args.clock_scale,
-            "warmup": args.warmup,
-            "batch_invariant": model.batch_invariant,
-            "requests": len(jobs),
-            "trace": str(args.trace.name),
-            "scaling": scaling.as_dict(),
-            "scaling_description": scaling.describe(),
-            "arrival_rate_per_s": args.rate,
-            "window": window.model_dump(by_alias=True),
-            "max_prefill_tokens": args.max_prefill_tokens,
-            "kv_cache_tokens": args.kv_cache_tokens,
-            "quick": args.quick,
-            "command": " ".join(sys.argv),
-            "torch": torch.__version__,
-        },
-        "targets": {},
-    }
-    if "continuous" in systems and "hf_static" in systems:
-        ratio = systems["continuous"]["tokens_per_s"] / systems["hf_static"]["tokens_per_s"]
-        result["targets"] = {
-            "continuous_over_hf_static_tokens_per_s": ratio,
-            "throughput_3x_met": ratio >= 3.0,
-            "e2e_p99_no_worse_met": systems["continuous"]["e2e_p99_s"] <= systems["hf_static"]["e2e_p99_s"],
-            "overhead_10pct_met": overhead["fraction_cpu"] <= 0.10,
-        }
-        print(f"continuous / hf_static tokens/s: {ratio:.2f}x; targets: {result['targets']}")
-    if "llama_cpp" in systems:
-        outside: dict[str, Any] = {"system": "llama.cpp via llama-cpp-python, one request at a time, quantized GGUF"}
-        for name in ("continuous", "sequential"):
-            if name in systems:
-                outside[f"{name}_over_llama_cpp_tokens_per_s"] = (
-                    systems[name]["tokens_per_s"] / systems["llama_cpp"]["tokens_per_s"]
-                )
-        result["outside_reference"] = outside
-        print(f"outside reference: {outside}")
+    print_overhead(overhead)
+    figures = {"systems": systems, "overhead": overhead, "agreement": agreement, "extra": extra}
+    result = build_result(args, model, model_name, jobs, scaling, window, figures)
+    add_comparisons(result)
     print(f"token agreement with continuous: {agreement}")
     for path in (args.json, args.plot):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import json
 import math
 from html.parser import HTMLParser
@@ -13,10 +12,6 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.api.profile import parse_manifest
-from batchpilot_operator.control.controller import ProfileRecord, ProfileRef
-from batchpilot_operator.demo.children import threads_per_runtime
-from batchpilot_operator.demo.decisions import ParsedDecision, parse_decision_line
 from batchpilot_operator.demo.report import render_html, write_report
 from batchpilot_operator.demo.results import (
     DecisionRecord,
@@ -36,21 +31,7 @@ from batchpilot_operator.demo.series import (
     snapshot_from_exposition,
     summarize_model_phase,
 )
-from batchpilot_operator.demo.settings import (
-    SURGE_END_FRACTION,
-    SURGE_START_FRACTION,
-    DemoSettings,
-    Surge,
-    default_models,
-    duration_from_env,
-    plan_arrivals,
-    warp_arrival,
-)
-from batchpilot_operator.frontends.local import print_decision
-from batchpilot_operator.tuning.policy import Decision, PolicyState
-from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.loadgen import OUTCOMES, summarize
-from batchpilot_runtime.replay.trace import TraceRequest
 
 BOUNDS_S = [0.01, 0.05, 0.1, 0.5, 1.0]
 BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0]
@@ -462,48 +443,6 @@ def test_phase_summary_has_the_inter_token_tail_and_the_budget_over_time() -> No
     assert result.window_end is not None and result.window_end.describe().endswith("budget 256 tokens")
 
 
-def test_local_mode_decision_lines_are_read_and_other_lines_are_not() -> None:
-    models = ["chat", "bulk"]
-    line = (
-        "14:27:04 demo/chat model=chat mode=adaptive down: target=14 cap=16 wait=200ms tail=2x gen=2 - "
-        "P99 587 ms over SLO 500 ms (1.17x the SLO): lowering wait and target."
-    )
-    parsed = parse_decision_line(line, models)
-    assert parsed is not None
-    assert (parsed.model, parsed.direction) == ("chat", "down")
-    assert parsed.window == "target=14 cap=16 wait=200ms tail=2x gen=2"
-    assert parsed.reason == "P99 587 ms over SLO 500 ms (1.17x the SLO): lowering wait and target."
-    assert parse_decision_line("14:27:04 local mode: 2 profile(s), 2 runtime(s)", models) is None
-    assert parse_decision_line("14:27:04 demo/chat Warning PushFailed: pod chat-0: refused: down", models) is None
-    assert parse_decision_line(line.replace("model=chat", "model=other"), models) is None
-    as_json = parse_decision_line('{"model": "bulk", "direction": "up", "reason": "headroom"}', models)
-    assert as_json == ParsedDecision("bulk", "up", "headroom", None)
-    assert parsed.budget is None  # no budget=N: whole prompts
-
-
-def test_the_budget_is_read_from_decision_lines() -> None:
-    line = (
-        "14:27:04 demo/chat model=chat mode=adaptive down: target=1 cap=256 wait=0ms tail=2x budget=384 gen=3 - "
-        "lowering the prefill budget to 384 tokens (inter-token P99 61 ms over its 40 ms target)"
-    )
-    parsed = parse_decision_line(line, ["chat"])
-    assert parsed is not None and parsed.budget == 384
-    assert parsed.reason.startswith("lowering the prefill budget to 384 tokens")
-    as_json = parse_decision_line(
-        json.dumps(
-            {
-                "model": "chat",
-                "direction": "down",
-                "reason": "over",
-                "window": {"targetBatchSize": 1, "hardCap": 256, "maxWaitMs": 0, "maxPrefillTokens": 96},
-            }
-        ),
-        ["chat"],
-    )
-    assert as_json is not None and as_json.budget == 96
-    assert as_json.window is not None and "budget=96" in as_json.window
-
-
 def test_load_counts_call_a_broken_stream_lost() -> None:
     outcomes = dict.fromkeys(OUTCOMES, 0)
     outcomes.update(completed=7, rejected_429=2, server_error=1, incomplete=1)
@@ -511,102 +450,3 @@ def test_load_counts_call_a_broken_stream_lost() -> None:
     counts = load_counts(dataclasses.replace(summary, requests_sent=11, outcomes=outcomes))
     assert (counts.sent, counts.accepted, counts.completed, counts.errors, counts.rejected) == (11, 9, 7, 1, 2)
     assert counts.lost == 1
-
-
-@pytest.mark.parametrize("mode", ["static", "adaptive"])
-def test_demo_profiles_are_valid_batch_profiles(mode: str) -> None:
-    for model in default_models():
-        _, name, spec = parse_manifest(model.profile_manifest(mode))
-        assert name == model.name
-        assert spec.tuning.mode.value == mode
-        assert spec.window == model.window
-        assert spec.slo.inter_token_p99_ms == model.slo_itl_p99_ms
-    chat = next(m for m in default_models() if m.name == "chat")
-    # chat starts on engine defaults with a budget, under both SLOs, and the operator may move the budget.
-    assert chat.window.max_prefill_tokens is not None and chat.slo_itl_p99_ms is not None
-    assert chat.window_label == "engine defaults"
-    _, _, spec = parse_manifest(chat.profile_manifest(mode))
-    assert spec.tuning.bounds.max_prefill_tokens.contains(chat.window.max_prefill_tokens)
-    assert spec.tuning.bounds.max_prefill_tokens.min < chat.window.max_prefill_tokens
-
-
-def test_both_phases_replay_the_same_arrivals_at_each_models_rate() -> None:
-    settings = DemoSettings(duration_s=60.0, out_dir=Path("unused"), live=False)
-    first, second = plan_arrivals(settings), plan_arrivals(settings)
-    assert [a.requests for a in first] == [a.requests for a in second]
-    for arrivals, model in zip(first, default_models(), strict=True):
-        assert len(arrivals.requests) == round(model.arrival_rate_per_s * 30.0)
-        assert arrivals.requests[0].arrival_s == 0.0
-        assert arrivals.requests[-1].arrival_s == pytest.approx(30.0)
-        assert max(r.output_tokens for r in arrivals.requests) <= model.max_output_tokens
-        assert [r.arrival_s for r in arrivals.requests] == sorted(r.arrival_s for r in arrivals.requests)
-
-
-def test_the_surge_is_in_both_phases_arrivals_at_its_factor() -> None:
-    """On an even trace (one request a second) the surge's stretch holds ``factor`` times the
-    arrivals per second of the rest, the same in both phases, and the phase keeps its length."""
-    even = [TraceRequest(arrival_s=float(i), prompt_tokens=2000, output_tokens=10) for i in range(2000)]
-    settings = DemoSettings(duration_s=120.0, out_dir=Path("unused"), live=False)
-    first, second = plan_arrivals(settings, even), plan_arrivals(settings, even)
-    assert [a.requests for a in first] == [a.requests for a in second]
-    chat = next(a for a in first if a.model == "chat")
-    model = next(m for m in default_models() if m.name == "chat")
-    assert chat.surge == Surge(SURGE_START_FRACTION * 60.0, SURGE_END_FRACTION * 60.0, model.surge_factor)
-    assert model.surge_factor >= 2.0
-    times = [r.arrival_s for r in chat.requests]
-    assert len(times) == round(model.arrival_rate_per_s * 60.0)
-    assert times[0] == 0.0 and times[-1] == pytest.approx(60.0)
-    inside = sum(1 for t in times if chat.surge.start_s <= t < chat.surge.end_s)
-    outside = len(times) - inside
-    inside_rate = inside / (chat.surge.end_s - chat.surge.start_s)
-    outside_rate = outside / (60.0 - (chat.surge.end_s - chat.surge.start_s))
-    assert inside_rate / outside_rate == pytest.approx(model.surge_factor, rel=0.05)
-    # Prompts are the trace's at the model's token scale, clamped: long enough for the budget to matter.
-    assert {r.prompt_tokens for r in chat.requests} == {min(model.max_prompt_tokens, round(2000 * model.token_scale))}
-    bulk = next(a for a in first if a.model == "bulk")
-    assert bulk.surge is None
-    assert "surge x" in chat.describe() and "surge" not in bulk.describe()
-
-
-def test_warping_keeps_the_order_and_the_ends_of_the_phase() -> None:
-    surge = Surge(10.0, 20.0, 3.0)
-    assert warp_arrival(5.0, surge) == 5.0
-    assert warp_arrival(10.0 + 30.0, surge) == pytest.approx(20.0)
-    assert warp_arrival(10.0 + 15.0, surge) == pytest.approx(15.0)
-    assert warp_arrival(60.0, surge) == pytest.approx(40.0)
-    points = [warp_arrival(0.5 * i, surge) for i in range(200)]
-    assert points == sorted(points)
-
-
-def test_bad_durations_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="--duration"):
-        DemoSettings(duration_s=5.0, out_dir=Path("unused"), live=False)
-    monkeypatch.setenv("BATCHPILOT_DEMO_DURATION", "three minutes")
-    with pytest.raises(ValueError, match="BATCHPILOT_DEMO_DURATION"):
-        duration_from_env()
-    monkeypatch.setenv("BATCHPILOT_DEMO_DURATION", "90")
-    assert duration_from_env() == 90.0
-
-
-@pytest.mark.parametrize(("runtimes", "cpus", "threads"), [(2, 2, 1), (2, 16, 8), (3, 2, 1), (1, None, 1), (0, 4, 4)])
-def test_runtimes_never_share_more_threads_than_cores(runtimes: int, cpus: int | None, threads: int) -> None:
-    assert threads_per_runtime(runtimes, cpus) == threads
-
-
-@pytest.mark.parametrize("output", ["text", "json"])
-def test_local_mode_decision_lines_parse_back_in_both_outputs(output: str) -> None:
-    model = default_models()[0]
-    _, name, spec = parse_manifest(model.profile_manifest("adaptive"))
-    record = ProfileRecord(ref=ProfileRef("demo", name), generation=1, spec=spec, error=None)
-    window = Window(target_batch_size=14, hard_cap=16, max_wait_ms=200, tail_mark_ratio=2.5, generation=2)
-    reason = "P99 587 ms over SLO 500 ms (1.17x the SLO): lowering wait and target."
-    out = io.StringIO()
-    print_decision(out, output)(record, Decision(window, "down", reason, PolicyState()))
-    (line,) = out.getvalue().splitlines()
-    if output == "json":
-        assert json.loads(line)["window"]["maxWaitMs"] == 200
-    parsed = parse_decision_line(line, [model.name])
-    assert parsed is not None
-    assert (parsed.model, parsed.direction, parsed.reason) == (model.name, "down", reason)
-    assert parsed.window is not None
-    assert parsed.window.startswith("target=14 cap=16 wait=200ms tail=2.5x")

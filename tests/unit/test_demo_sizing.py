@@ -5,12 +5,14 @@ prefills, and the run says what it measured and how to replay it at the same siz
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
 from batchpilot_operator.api.profile import parse_manifest
 from batchpilot_operator.demo import sizing
+from batchpilot_operator.demo.children import DemoError
 from batchpilot_operator.demo.settings import DemoSettings, default_models, plan_arrivals
 from batchpilot_operator.demo.sizing import (
     MIN_TOKEN_SCALE,
@@ -112,9 +114,29 @@ def test_the_default_demo_sizes_its_chat_model_only(tmp_path: Path) -> None:
 
 
 def test_the_reference_step_runs_here_in_each_runtimes_place() -> None:
-    """The measurement itself: real prefill steps of the tiny preset in two processes, a positive time."""
+    """The measurement itself: real prefill steps of the tiny preset in two runtime processes, a positive time."""
     step_s = sizing.measure_on_host("tiny", 1, 2)
     assert math.isfinite(step_s) and step_s > 0
+
+
+def test_a_failed_timing_names_the_command_and_quotes_its_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    failing = [sys.executable, "-c", "import sys; sys.stderr.write('no preset huge'); sys.exit(2)"]
+    monkeypatch.setattr(sizing, "time_step_command", lambda preset, threads: failing)
+    with pytest.raises(DemoError, match=r"timing a prefill step failed \(exit code 2\).*\n.*no preset huge"):
+        sizing.measure_on_host("huge", 1, 2)
+
+
+def test_the_timing_command_asks_the_runtime_for_the_reference_step() -> None:
+    command = sizing.time_step_command("tiny", 3)
+    assert command[1:4] == ["-m", "batchpilot_runtime.cli.main", "time-step"]
+    flags = dict(zip(command[4::2], command[5::2], strict=True))
+    assert flags == {
+        "--preset": "tiny",
+        "--threads": "3",
+        "--prompt-tokens": str(sizing.REFERENCE_PROMPT_TOKENS),
+        "--decodes": str(sizing.REFERENCE_DECODES),
+        "--repeats": str(sizing.REPEATS),
+    }
 
 
 @pytest.mark.parametrize("scale", [0.0, 1.5, -0.5])

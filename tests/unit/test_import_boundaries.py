@@ -2,11 +2,15 @@
 import torch; the wire contract imports neither torch nor a web framework.
 
 Each check runs in a fresh interpreter where the forbidden packages cannot be
-imported, which is what an install with only the matching extra looks like."""
+imported, which is what an install with only the matching extra looks like. An import inside a
+function escapes that check until the function runs, so the operator's sources are also read for
+any import of torch or of the runtime's engine and model, wherever it stands."""
 
+import ast
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +95,29 @@ def test_blocker_really_blocks() -> None:
     result = _run("json", "json")
     assert result.returncode != 0
     assert "blocked import of json" in result.stderr
+
+
+OPERATOR_SOURCES = Path(__file__).resolve().parents[2] / "operator" / "batchpilot_operator"
+# The runtime's parts that load torch: the operator reaches them only through a runtime process.
+TORCH_LOADING = ("torch", "batchpilot_runtime.engine", "batchpilot_runtime.model", "batchpilot_runtime.server")
+
+
+def _imported_modules(tree: ast.AST) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_no_operator_module_imports_torch_even_inside_a_function() -> None:
+    offenders = [
+        f"{path.relative_to(OPERATOR_SOURCES.parent)}: {name}"
+        for path in sorted(OPERATOR_SOURCES.rglob("*.py"))
+        for name in _imported_modules(ast.parse(path.read_text(), str(path)))
+        if any(name == banned or name.startswith(banned + ".") for banned in TORCH_LOADING)
+    ]
+    assert sorted(OPERATOR_SOURCES.rglob("*.py")), f"no sources under {OPERATOR_SOURCES}"
+    assert offenders == []

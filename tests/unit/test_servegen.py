@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchpilot_runtime.cli import servegen as servegen_cli
 from batchpilot_runtime.replay import servegen as sg
 from batchpilot_runtime.replay.trace import TraceRequest, read_trace
 
@@ -297,10 +298,10 @@ def test_pmf_text_parses_and_samples_in_support(pmf: dict[int, float]) -> None:
 def test_cli_writes_a_replay(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "day.csv"
     args = ["--model", "m-tiny", "--data", str(folder), "--day", "1", "--hours", "0-2", "--target-rate", "1.5"]
-    assert sg.main([*args, "-o", str(out)]) == 0
+    assert servegen_cli.main([*args, "-o", str(out)]) == 0
     assert "req/s" in capsys.readouterr().out
     assert len(read_trace(out)) / 7200 == pytest.approx(1.5, rel=0.1)
-    assert sg.main(["--model", "m-huge", "--data", str(folder)]) == 2
+    assert servegen_cli.main(["--model", "m-huge", "--data", str(folder)]) == 2
     assert "unknown ServeGen model" in capsys.readouterr().err
 
 

@@ -169,12 +169,6 @@ def cluster_role_rules(*, mode: Mode, peering: bool) -> list[dict[str, list[str]
     return policy_rules(p for p in needed if p.scope == "cluster")
 
 
-def namespace_role_rules(*, peering: bool) -> list[dict[str, list[str]]]:
-    """Rules of the Role in each watched namespace (namespaced mode only)."""
-    needed = required_permissions(mode="namespaced", peering=peering)
-    return policy_rules(p for p in needed if p.scope == "namespace")
-
-
 def expand_rules(rules: Sequence[Mapping[str, object]]) -> frozenset[tuple[str, str, str]]:
     """Every (apiGroup, resource, verb) a list of RBAC rules grants, wildcards kept as ``*``.
 

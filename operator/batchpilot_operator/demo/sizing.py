@@ -4,11 +4,12 @@ The chat model's surge shows the budget's effect only when a step that prefills 
 default's budget takes several times the inter-token SLO, while the surge's prompt tokens stay
 within what the host prefills at a budget that meets it. Both depend on how fast this host runs a
 prefill step right now (its cores, and whatever else runs on them). So before the replay the demo
-times a reference step, a 1024-token prompt prefilled beside 16 decodes on the replay's preset
-and thread count, in as many processes at once as it runs runtimes (one process alone misses the
+has the runtime time a reference step (``batchpilot-runtime time-step``, so that the operator
+never loads torch), a 1024-token prompt prefilled beside 16 decodes on the replay's preset and
+thread count, in as many processes at once as it runs runtimes (one process alone misses the
 contention: beside two busy loops on 2 cores it timed the step as fast as on an idle host, two at
-once 1.7-2.25x slower), and on a host much slower than the reference machine scales the chat model's
-tokens (prompt lengths, its starting budget and the budget's bound together), down to
+once 1.7-2.25x slower), and on a host much slower than the reference machine scales the chat
+model's tokens (prompt lengths, its starting budget and the budget's bound together), down to
 ``MIN_TOKEN_SCALE``. Measured on the development machine: idle, at full length, the budget took
 the static window's inter-token P99 from 97-122 ms to 40-63 ms; at a load average of about 7, at
 half the lengths, from 423 to 55 ms with the TTFT P99 from 2.4 s to 305 ms.
@@ -16,13 +17,15 @@ half the lengths, from 423 to 55 ms with the TTFT P99 from 2.4 s to 305 ms.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
-import statistics
-import time
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from batchpilot_operator.demo.children import threads_per_runtime
+from batchpilot_operator.demo.children import DemoError, threads_per_runtime
 from batchpilot_operator.demo.settings import DemoModel, DemoSettings
 
 # The reference step's median on the development machine (2 cores, idle, two processes of one
@@ -39,43 +42,53 @@ REFERENCE_DECODES = 16
 REPEATS = 5
 
 
-def measure_reference_step(preset: str, threads: int) -> float:
-    """Median seconds of the reference step on this host (a few seconds, one torch thread pool)."""
-    import torch  # the operator's other commands never load torch
+def time_step_command(preset: str, threads: int) -> list[str]:
+    """``batchpilot-runtime time-step`` for the reference step, in this interpreter (as the runtimes run)."""
+    return [
+        sys.executable,
+        "-m",
+        "batchpilot_runtime.cli.main",
+        "time-step",
+        "--preset",
+        preset,
+        "--threads",
+        str(threads),
+        "--prompt-tokens",
+        str(REFERENCE_PROMPT_TOKENS),
+        "--decodes",
+        str(REFERENCE_DECODES),
+        "--repeats",
+        str(REPEATS),
+    ]
 
-    from batchpilot_runtime.contract.window import Window
-    from batchpilot_runtime.engine.engine import Engine
-    from batchpilot_runtime.engine.types import GenerationRequest
 
-    torch.set_num_threads(threads)
-    window = Window(
-        target_batch_size=1,
-        hard_cap=REFERENCE_DECODES + 1,
-        max_wait_ms=0,
-        tail_mark_ratio=2.0,
-        max_prefill_tokens=REFERENCE_PROMPT_TOKENS,
-    )
-    engine = Engine.build(model_name="sizing", window=window, preset=preset, kv_cache_tokens=16384)
-    for i in range(REFERENCE_DECODES):
-        engine.add_request(GenerationRequest(f"decode-{i}", [1 + i] * 16, max_tokens=10 * REPEATS + 10))
-    for _ in range(3):  # prefill the decodes and warm the kernels up
-        engine.step()
-    times = []
-    for n in range(REPEATS):
-        engine.add_request(GenerationRequest(f"prompt-{n}", [2] * REFERENCE_PROMPT_TOKENS, max_tokens=1))
-        started = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - started)
-        engine.step()
-    return statistics.median(times)
+def _step_s_reported(process: subprocess.Popen[str], command: Sequence[str]) -> float:
+    """The median step time a ``time-step`` process printed; a DemoError quoting its stderr otherwise."""
+    stdout, stderr = process.communicate()
+    try:
+        if process.returncode != 0:
+            raise ValueError(f"exit code {process.returncode}")
+        step_s = float(json.loads(stdout.strip().splitlines()[-1])["median_step_s"])
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise DemoError(f"timing a prefill step failed ({error}): {shlex.join(command)}\n{stderr[-2000:]}") from None
+    return step_s
 
 
 def measure_on_host(preset: str, threads: int, processes: int) -> float:
-    """The slowest of ``processes`` reference steps timed at once, each in its own process, as the
-    runtimes will run."""
-    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    with context.Pool(processes) as pool:
-        return max(pool.starmap(measure_reference_step, [(preset, threads)] * processes))
+    """The slowest of ``processes`` reference steps timed at once, each by its own runtime process
+    (``batchpilot-runtime time-step``), as the runtimes will run."""
+    command = time_step_command(preset, threads)
+    started = [
+        subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(processes)
+    ]
+    try:
+        return max(_step_s_reported(process, command) for process in started)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def token_scale_for(step_s: float) -> float:

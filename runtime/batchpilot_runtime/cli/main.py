@@ -17,7 +17,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "batchpilot_runtime.cli.loadgen",
     "batchpilot_runtime.cli.generate",
     "batchpilot_runtime.cli.calibrate",
-    "batchpilot_runtime.replay.servegen",
+    "batchpilot_runtime.cli.time_step",
+    "batchpilot_runtime.cli.servegen",
 )
 
 
