@@ -90,15 +90,15 @@ class AdmissionRate:
     def record(self, now_s: float) -> None:
         self._times_s.append(now_s)
 
-    def retry_after_s(self, max_queue: int, fallback_s: float) -> float:
+    def retry_after_s(self, max_queue: int, max_wait_ms: float) -> float:
         """Time for a full queue of ``max_queue`` to drain by a tenth at the recent admission rate
-        (``fallback_s`` when there is no rate yet), within [0.1 s, 60 s]."""
+        (with no rate yet, 1 s or the window's ``max_wait_ms`` if longer), within [0.1 s, 60 s]."""
         times = self._times_s
         if len(times) >= 2 and times[-1] > times[0]:
             rate_per_s = (len(times) - 1) / (times[-1] - times[0])
             estimate_s = max(1, max_queue // 10) / rate_per_s
         else:
-            estimate_s = fallback_s
+            estimate_s = max(1.0, max_wait_ms / 1000.0)
         return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate_s))
 
 
