@@ -23,7 +23,7 @@ from batchpilot_runtime.scheduling.types import (
     SchedulerConfig,
 )
 from tests.support.factories import make_window
-from tests.unit.test_scheduler import sampled_for
+from tests.support.scheduler_factories import sampled_for
 
 STEP_S = 0.005
 LANE = "critical"
