@@ -48,7 +48,6 @@ def make_table(window: Window, lanes: Sequence[LaneWindow] = ()) -> LaneTable:
 
 def queue(table: LaneTable, lane: str, count: int, arrival_s: float = 0.0, prompt_tokens: int = 1) -> list[Seq]:
     state = table.open_lane(lane)
-    assert state is not None
     seqs = [
         Seq(SchedRequest(f"{lane}-{index}", (0,) * prompt_tokens, 1, arrival_s, lane), state) for index in range(count)
     ]

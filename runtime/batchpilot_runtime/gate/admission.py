@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.admission import AdmissionRate, queue_full, rejected
+from batchpilot_runtime.scheduling.admission import AdmissionRate, check_queueable
 from batchpilot_runtime.scheduling.admission_pass import admit_lanes
 from batchpilot_runtime.scheduling.lanes import LaneTable, Seq, check_window
 from batchpilot_runtime.scheduling.types import SchedRequest, SeqStatus
@@ -117,13 +117,17 @@ class GateAdmission:
     def enqueue(self, request_id: str, lane: str, now_s: float) -> None:
         """Queue a request arriving at ``now_s``; ``RequestRejected`` (``request_id``, ``lane``) or
         ``QueueFullError``."""
-        if request_id in self._seqs:
-            raise rejected("request_id", f"{request_id!r} is already queued or running")
+        check_queueable(
+            request_id,
+            request_id in self._seqs,
+            lane,
+            self._lanes.is_open(lane),
+            self._lanes.open_names,
+            self._num_waiting,
+            self.limits.max_queue,
+            self.retry_after_s,
+        )
         state = self._lanes.open_lane(lane)
-        if state is None:
-            raise rejected("lane", f"unknown lane {lane!r} (known: {', '.join(self._lanes.open_names())})")
-        if self._num_waiting >= self.limits.max_queue:
-            raise queue_full(self.limits.max_queue, self.retry_after_s())
         seq = Seq(SchedRequest(request_id, (), 0, now_s, lane), state)
         self._seqs[request_id] = seq
         state.waiting.append(seq)

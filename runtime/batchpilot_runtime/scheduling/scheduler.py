@@ -109,7 +109,7 @@ from dataclasses import dataclass, field
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.admission import AdmissionRate, CheckedRequest, RequestLimits, queue_full, rejected
+from batchpilot_runtime.scheduling.admission import AdmissionRate, CheckedRequest, RequestLimits, check_queueable
 from batchpilot_runtime.scheduling.admission_pass import admit_lanes
 from batchpilot_runtime.scheduling.kv_blocks import KVBlockManager, blocks_for_tokens
 from batchpilot_runtime.scheduling.lanes import LaneTable, Seq
@@ -232,14 +232,17 @@ class Scheduler:
     def enqueue(self, request: CheckedRequest) -> None:
         """Queue a request whose fields ``limits.check`` passed. ``RequestRejected`` when its id is in use
         or its lane is not open (in force and not retired, or staged), ``QueueFullError`` if no room now."""
-        if request.request_id in self._seqs:
-            raise rejected("request_id", f"{request.request_id!r} is already queued or running")
+        check_queueable(
+            request.request_id,
+            request.request_id in self._seqs,
+            request.lane,
+            self._lanes.is_open(request.lane),
+            self._lanes.open_names,
+            self._num_waiting,
+            self.config.max_queue,
+            self.retry_after_s,
+        )
         lane = self._lanes.open_lane(request.lane)
-        if lane is None:
-            known = ", ".join(self._lanes.open_names())
-            raise rejected("lane", f"unknown lane {request.lane!r} (known: {known})")
-        if self._num_waiting >= self.config.max_queue:
-            raise queue_full(self.config.max_queue, self.retry_after_s())
         seq = Seq(request, lane)
         self._seqs[request.request_id] = seq
         lane.waiting.append(seq)
