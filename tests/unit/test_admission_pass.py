@@ -1,4 +1,5 @@
-"""The admission pass shared by the scheduler and the gate, driven through a hand-made host."""
+"""The admission pass shared by the scheduler and the gate, driven through a hand-made host, and the
+check at the queue's door that both (and the engine) apply."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from hypothesis import strategies as st
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.admission import AdmissionRate
+from batchpilot_runtime.scheduling.admission import AdmissionRate, check_queueable
 from batchpilot_runtime.scheduling.admission_pass import AdmittedGroups, admit_lanes
 from batchpilot_runtime.scheduling.lanes import LaneTable, Seq
-from batchpilot_runtime.scheduling.types import SchedRequest, SeqStatus
+from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected, SchedRequest, SeqStatus
 
 LANE = "critical"
 
@@ -200,3 +201,20 @@ def test_a_pass_keeps_the_caps_counts_every_group_once_and_keeps_queue_order(
         assert ids(table.states[name].waiting) == ids([seq for seq in seqs if seq not in started])
     groups = {seq.lane.name for seq in host.started}
     assert sum(admitted.admissions.values()) == len(groups)
+
+
+def _refusal(id_in_use: bool, lane_open: bool, waiting: int) -> str:
+    try:
+        check_queueable("r1", id_in_use, "bulk", lane_open, lambda: ["critical", "default"], waiting, 4, lambda: 2.5)
+    except RequestRejected as error:
+        return f"{error.field}: {error}"
+    except QueueFullError as error:
+        return f"full {error.retry_after_s}: {error}"
+    return "queued"
+
+
+def test_the_door_refuses_an_id_in_use_then_a_closed_lane_then_a_full_queue() -> None:
+    assert _refusal(True, False, 4) == "request_id: request_id: 'r1' is already queued or running"
+    assert _refusal(False, False, 4) == "lane: lane: unknown lane 'bulk' (known: critical, default)"
+    assert _refusal(False, True, 4) == "full 2.5: the waiting queue is full (4 requests); retry in 2.5 s"
+    assert _refusal(False, True, 3) == "queued"

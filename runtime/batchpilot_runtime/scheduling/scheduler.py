@@ -21,7 +21,8 @@ Lanes and slots
     ``set_window``/``__init__`` raise ``ValueError`` naming ``lanes``.
 
 Admission (continuous mode), once per lane per step, lanes holding a tail-marked request first
-(oldest mark first), then named lanes in their order, then ``default``
+(oldest mark first), then named lanes in their order, then ``default`` (the pass is
+``admission_pass.admit_lanes``, which the gate shares; the KV fit and the budget are this module's)
     Requests preempted earlier are resumed first, at the front of their lane, as soon as a slot and
     KV allow; a resume is not a new admission (not counted in ``admissions``) and fresh requests of
     that lane wait behind it. Then a group of fresh requests is admitted when one trigger holds:
