@@ -21,9 +21,10 @@ from batchpilot_runtime.scheduling.types import (
     RequestRejected,
     SchedRequest,
     SchedulerConfig,
+    StepPlan,
 )
 from tests.support.factories import make_window
-from tests.unit.test_scheduler import sampled_for
+from tests.support.scheduler_factories import sampled_for
 
 STEP_S = 0.005
 LANE = "critical"
@@ -182,7 +183,7 @@ def _check_step_invariants(scheduler: Scheduler, result: RunResult, running_befo
     assert len(seen_blocks) == kv.num_blocks - kv.num_free_blocks <= kv.num_blocks
 
 
-def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
+def _make_scheduler(w: Workload) -> Scheduler:
     config = SchedulerConfig(
         num_kv_blocks=w.num_blocks,
         kv_block_size=w.block_size,
@@ -203,45 +204,59 @@ def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
                 name=LANE, window=_clamped_window(lane_target, lane_cap, lane_wait_ms, w.ratio), reserved_slots=reserved
             )
         }
-    scheduler = Scheduler(config, _clamped_window(w.target, w.cap, w.wait_ms, w.ratio), lanes)
-    result = RunResult()
-    arrivals: list[tuple[float, int, Arrival]] = []
-    t = 0.0
-    for index, arrival in enumerate(w.arrivals):
-        t += arrival.gap_s
-        arrivals.append((t, index, arrival))
-    ids_by_index: dict[int, str] = {}
-    generation = 0
-    now_s = 0.0
-    next_arrival = 0
-    empty_due_plans = 0
-    step_bound = 10 * sum(a.prompt_tokens + a.max_new for a in w.arrivals) + 200
+    return Scheduler(config, _clamped_window(w.target, w.cap, w.wait_ms, w.ratio), lanes)
 
-    def end(output: RequestOutput | None) -> None:
+
+class _Replay:
+    """One workload replayed on a fake clock: the scheduler, the arrivals, and what was seen so far."""
+
+    def __init__(self, w: Workload) -> None:
+        self.w = w
+        self.scheduler = _make_scheduler(w)
+        self.result = RunResult()
+        self.arrivals: list[tuple[float, int, Arrival]] = []
+        t = 0.0
+        for index, arrival in enumerate(w.arrivals):
+            t += arrival.gap_s
+            self.arrivals.append((t, index, arrival))
+        self.ids_by_index: dict[int, str] = {}
+        self.generation = 0
+        self.now_s = 0.0
+        self.next_arrival = 0
+        self.empty_due_plans = 0
+
+    @property
+    def done(self) -> bool:
+        return self.next_arrival >= len(self.arrivals) and not self.scheduler.has_unfinished
+
+    def end(self, output: RequestOutput | None) -> None:
         if output is not None:
-            result.terminal.setdefault(output.request_id, []).append(output)
+            self.result.terminal.setdefault(output.request_id, []).append(output)
 
-    def abort_due(inside_step: bool) -> None:
-        for abort in w.aborts:
-            if abort.at_step == result.steps and abort.inside_step == inside_step and abort.request in ids_by_index:
-                end(scheduler.abort(ids_by_index[abort.request], now_s))
+    def abort_due(self, inside_step: bool) -> None:
+        for abort in self.w.aborts:
+            if (
+                abort.at_step == self.result.steps
+                and abort.inside_step == inside_step
+                and abort.request in self.ids_by_index
+            ):
+                self.end(self.scheduler.abort(self.ids_by_index[abort.request], self.now_s))
 
-    def change_due(inside_step: bool) -> Window | None:
-        nonlocal generation
+    def change_due(self, inside_step: bool) -> Window | None:
         staged = None
-        for change in w.changes:
-            if change.at_step == result.steps and change.inside_step == inside_step:
-                generation += 1
-                staged = _clamped_window(change.target, change.cap, change.wait_ms, w.ratio, generation)
-                scheduler.set_window(staged)
+        for change in self.w.changes:
+            if change.at_step == self.result.steps and change.inside_step == inside_step:
+                self.generation += 1
+                staged = _clamped_window(change.target, change.cap, change.wait_ms, self.w.ratio, self.generation)
+                self.scheduler.set_window(staged)
         return staged
 
-    while next_arrival < len(arrivals) or scheduler.has_unfinished:
-        assert result.steps < step_bound, "a request was not served in bounded time"
-        # 1. Arrivals due by now, in arrival order.
-        while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= now_s:
-            arrival_s, index, arrival = arrivals[next_arrival]
-            next_arrival += 1
+    def arrive(self) -> None:
+        """Add the arrivals due by now, in arrival order."""
+        result = self.result
+        while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival][0] <= self.now_s:
+            arrival_s, index, arrival = self.arrivals[self.next_arrival]
+            self.next_arrival += 1
             request_id = f"{'c' if arrival.critical else 'd'}{index}"
             stop = (
                 frozenset() if arrival.stop_at is None else frozenset({1000 + arrival.prompt_tokens + arrival.stop_at})
@@ -255,27 +270,30 @@ def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
                 stop,
             )
             try:
-                scheduler.add_request(request)
+                self.scheduler.add_request(request)
             except (QueueFullError, RequestRejected):
                 continue
-            ids_by_index[index] = request_id
+            self.ids_by_index[index] = request_id
             result.accepted.append(request_id)
             result.lane_of[request_id] = request.lane
             result.arrival_order[request_id] = index
             result.max_new[request_id] = arrival.max_new
-        abort_due(inside_step=False)
-        change_due(inside_step=False)
+
+    def step(self) -> StepPlan:
+        """One step, checked; a window staged inside it must not apply before the next schedule()."""
+        scheduler, result = self.scheduler, self.result
+        self.abort_due(inside_step=False)
+        self.change_due(inside_step=False)
         staged_before = scheduler.staged_window
-        # 2. One step; a window staged inside it must not apply before the next schedule().
         running_before = set(scheduler.running_ids())
         batch_in_progress = bool(running_before) or bool(result.ever_running - running_before - set(result.terminal))
-        plan = scheduler.schedule(now_s)
+        plan = scheduler.schedule(self.now_s)
         if staged_before is not None:
             assert scheduler.window == staged_before
         assert plan.stats.window_generation == scheduler.window.generation
         _check_step_invariants(scheduler, result, running_before)
         newly_running = set(scheduler.running_ids()) - running_before
-        if w.batching == "static" and batch_in_progress:
+        if self.w.batching == "static" and batch_in_progress:
             # Static mode never admits into a running batch: only its own preempted members come back.
             assert plan.stats.admitted_requests == 0
             assert newly_running <= result.ever_running
@@ -289,38 +307,50 @@ def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
             assert not older_marked, f"{admitted} passed tail-marked {older_marked}"
         result.ever_running |= newly_running
         window_in_step = scheduler.window
-        staged_inside = change_due(inside_step=True)
-        abort_due(inside_step=True)
-        outputs = scheduler.update_from_output(plan, sampled_for(plan), now_s)
+        staged_inside = self.change_due(inside_step=True)
+        self.abort_due(inside_step=True)
+        outputs = scheduler.update_from_output(plan, sampled_for(plan), self.now_s)
         assert scheduler.window == window_in_step
         for output in outputs:
             if output.token_id is not None:
                 result.tokens[output.request_id] = result.tokens.get(output.request_id, 0) + 1
             if output.finish_reason is not None:
-                end(output)
+                self.end(output)
         result.steps += 1
         if staged_inside is not None:
             # applied at the very next schedule, whatever else happens
             assert scheduler.staged_window == staged_inside
-        # 3. Advance the fake clock: a step costs STEP_S; an idle scheduler sleeps to its next event.
+        return plan
+
+    def advance_clock(self, plan: StepPlan) -> None:
+        """A step costs STEP_S; an idle scheduler sleeps to its next event."""
         if not plan.is_empty:
-            now_s += STEP_S
-            empty_due_plans = 0
-            continue
+            self.now_s += STEP_S
+            self.empty_due_plans = 0
+            return
         candidates = []
-        deadline_s = scheduler.next_deadline_s()
+        deadline_s = self.scheduler.next_deadline_s()
         if deadline_s is not None:
-            if deadline_s <= now_s:
-                empty_due_plans += 1
-                assert empty_due_plans <= 2, "a due deadline produced no work twice in a row"
-                continue
+            if deadline_s <= self.now_s:
+                self.empty_due_plans += 1
+                assert self.empty_due_plans <= 2, "a due deadline produced no work twice in a row"
+                return
             candidates.append(deadline_s)
-        if next_arrival < len(arrivals):
-            candidates.append(arrivals[next_arrival][0])
-        assert candidates or not scheduler.has_unfinished, "requests wait but nothing will ever admit them"
+        if self.next_arrival < len(self.arrivals):
+            candidates.append(self.arrivals[self.next_arrival][0])
+        assert candidates or not self.scheduler.has_unfinished, "requests wait but nothing will ever admit them"
         if candidates:
-            now_s = max(now_s, min(candidates))
-    return scheduler, result
+            self.now_s = max(self.now_s, min(candidates))
+
+
+def run_workload(w: Workload) -> tuple[Scheduler, RunResult]:
+    replay = _Replay(w)
+    step_bound = 10 * sum(a.prompt_tokens + a.max_new for a in w.arrivals) + 200
+    while not replay.done:
+        assert replay.result.steps < step_bound, "a request was not served in bounded time"
+        replay.arrive()
+        replay.advance_clock(replay.step())
+    return replay.scheduler, replay.result
 
 
 def _check_end_invariants(scheduler: Scheduler, result: RunResult, strict_fcfs: bool = True) -> None:

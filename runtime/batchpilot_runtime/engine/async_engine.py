@@ -9,10 +9,14 @@ next deadline (the wait or tail rule) falls due, so an idle engine costs no CPU.
 (``watchdog.EngineWatchdog``) is told of every step and every such sleep, so that a step that
 never returns shows in ``AsyncEngine.health()`` (and so in /healthz and /metrics).
 
-A request is checked once, in ``submit``, on the caller's thread (``types.check_request``, and its
-lane against the window state this object last accepted); the scheduler queues it on the engine
-thread. Window updates reach the scheduler in the same inbox, so a request for a lane that an
-update just staged finds it staged, and the scheduler queues it for the step that applies it.
+A request's fields are checked once, in ``submit``, on the caller's thread (``types.check_request``),
+so that a refusal is raised at once. Its id, lane and the queue's room are checked there too, by the
+scheduler's own rule (``scheduling.admission.check_queueable``) applied to what this object holds
+(the ids it has taken, the window state it last accepted, the last load plus the submits in the
+inbox); the scheduler applies the same rule to its own state on the engine thread, and has the last
+word (a preemption may have grown the queue since the load was read). Window updates reach the
+scheduler in the same inbox, so a request for a lane that an update just staged finds it staged,
+and the scheduler queues it for the step that applies it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from batchpilot_runtime.engine.types import (
     TokenEvent,
 )
 from batchpilot_runtime.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, EngineHealth, EngineWatchdog
-from batchpilot_runtime.scheduling.admission import queue_full, rejected
+from batchpilot_runtime.scheduling.admission import check_queueable
 from batchpilot_runtime.scheduling.lanes import lanes_by_name
 from batchpilot_runtime.scheduling.types import QueueFullError, RequestRejected
 
@@ -162,30 +166,28 @@ class AsyncEngine:
         with self._cond:
             now_s = self.engine.clock()
             accepted = self.engine.check_request(request, now_s)
-            self._check_lane(request.lane)
             if not self._accepting or self._failure is not None:
                 raise EngineStoppedError(self._failure or "the engine is shutting down and accepts no new request")
-            if request.request_id in self._request_ids:
-                raise rejected("request_id", f"{request.request_id!r} is already queued or running")
+            # The lanes of the window state last accepted: the scheduler has staged or applied every
+            # one of them by the time it sees this request (both travel in the same inbox).
+            named = {lane_window.name for lane_window in self._window_state.lanes}
             load = self._load
-            waiting = load.queue_depth + self._pending_submits
-            if waiting >= self.engine.max_queue:
-                raise queue_full(waiting, load.retry_after_s)
+            check_queueable(
+                request.request_id,
+                request.request_id in self._request_ids,
+                request.lane,
+                request.lane == DEFAULT_LANE or request.lane in named,
+                lambda: sorted({DEFAULT_LANE, *named}),
+                load.queue_depth + self._pending_submits,
+                self.engine.max_queue,
+                lambda: load.retry_after_s,
+            )
             self._pending_submits += 1
             self._request_ids.add(request.request_id)
             self._watchdog.requests_pending(now_s, len(self._request_ids))
             self._inbox.append(_Submit(accepted, _Sink(loop, queue)))
             self._cond.notify()
         return self._stream(request.request_id, queue)
-
-    def _check_lane(self, lane: str) -> None:
-        """``RequestRejected`` unless ``lane`` is the default lane or one of the window state last
-        accepted (``_cond`` held); the scheduler has staged or applied every lane of that state by
-        the time it sees the request."""
-        named = [lane_window.name for lane_window in self._window_state.lanes]
-        if lane != DEFAULT_LANE and lane not in named:
-            known = ", ".join(sorted({DEFAULT_LANE, *named}))
-            raise rejected("lane", f"unknown lane {lane!r} (known: {known})")
 
     async def _stream(self, request_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
         finished = False

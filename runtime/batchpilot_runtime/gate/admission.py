@@ -1,8 +1,9 @@
 """The gate's admission: the runtime's window rules applied to requests in flight to an upstream engine.
 
 Pure, synchronous and clock-injected, like the scheduler, and built from the scheduler's own pieces
-(``LaneTable``, ``Lane.triggers``, tail marking, ``AdmissionRate``, ``admission_reason``): what the gate
-cannot know (tokens, KV blocks, steps) is left out, and everything else means what it means in
+(``LaneTable``, tail marking, ``AdmissionRate``, and the admission pass itself,
+``scheduling.admission_pass.admit_lanes``, told that every request fits): what the gate cannot know
+(tokens, KV blocks, steps) is left out, and everything else means what it means in
 ``scheduling.scheduler``:
 
 - a request is *running* from its admission until ``release`` (its response ended, failed, or its
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.admission import AdmissionRate, admission_reason, queue_full, rejected
+from batchpilot_runtime.scheduling.admission import AdmissionRate, check_queueable
+from batchpilot_runtime.scheduling.admission_pass import admit_lanes
 from batchpilot_runtime.scheduling.lanes import LaneTable, Seq, check_window
 from batchpilot_runtime.scheduling.types import SchedRequest, SeqStatus
 
@@ -115,13 +117,17 @@ class GateAdmission:
     def enqueue(self, request_id: str, lane: str, now_s: float) -> None:
         """Queue a request arriving at ``now_s``; ``RequestRejected`` (``request_id``, ``lane``) or
         ``QueueFullError``."""
-        if request_id in self._seqs:
-            raise rejected("request_id", f"{request_id!r} is already queued or running")
+        check_queueable(
+            request_id,
+            request_id in self._seqs,
+            lane,
+            self._lanes.is_open(lane),
+            self._lanes.open_names,
+            self._num_waiting,
+            self.limits.max_queue,
+            self.retry_after_s,
+        )
         state = self._lanes.open_lane(lane)
-        if state is None:
-            raise rejected("lane", f"unknown lane {lane!r} (known: {', '.join(self._lanes.open_names())})")
-        if self._num_waiting >= self.limits.max_queue:
-            raise queue_full(self.limits.max_queue, self.retry_after_s())
         seq = Seq(SchedRequest(request_id, (), 0, now_s, lane), state)
         self._seqs[request_id] = seq
         state.waiting.append(seq)
@@ -154,33 +160,11 @@ class GateAdmission:
     def admit(self, now_s: float) -> AdmissionPass:
         """Admit every group whose trigger holds at ``now_s``, lanes with a tail-marked request first."""
         self._last_now_s = now_s
-        result = AdmissionPass(tail_marked=self._lanes.mark_tails(now_s, self.limits.tail_min_samples))
-        global_cap = self._window.hard_cap
-        for lane in self._lanes.admission_order():
-            if lane.num_fresh == 0:
-                continue
-            room = self._lanes.slot_room(lane, self._num_running, global_cap)
-            target_hit, tail_hit, wait_hit = lane.triggers(now_s, self._num_running)
-            if room <= 0 or not (target_hit or tail_hit or wait_hit):
-                continue
-            group = 0
-            while room > 0 and (seq := lane.oldest_fresh()) is not None:
-                (lane.marked if seq.tail_marked else lane.waiting).popleft()
-                seq.status = SeqStatus.RUNNING
-                seq.first_admitted_s = now_s
-                lane.waits.add(now_s - seq.arrival_s)
-                lane.running += 1
-                self._rate.record(now_s)
-                self._num_waiting -= 1
-                self._num_running += 1
-                result.admitted.append(Admitted(seq.request_id, lane.name, seq.arrival_s, now_s, seq.tail_marked))
-                room -= 1
-                group += 1
-            lane_running = self._num_running if lane.is_default else lane.running
-            at_cap = lane_running >= lane.window.hard_cap or self._num_running >= global_cap
-            reason = admission_reason(at_cap, target_hit, tail_hit)
-            result.admissions[reason] = result.admissions.get(reason, 0) + 1
-        return result
+        tail_marked = self._lanes.mark_tails(now_s, self.limits.tail_min_samples)
+        admitted: list[Admitted] = []
+        host = _GateHost(self, admitted, now_s)
+        groups = admit_lanes(self._lanes, host, now_s, self._window.hard_cap, self._rate)
+        return AdmissionPass(admitted, groups.admissions, tail_marked)
 
     def next_deadline_s(self) -> float | None:
         """When ``admit`` would next let a waiting request through with no arrival or release; None when
@@ -191,9 +175,37 @@ class GateAdmission:
     def retry_after_s(self) -> float:
         """The runtime's Retry-After: the queue draining by a tenth at the recent admission rate (with no
         rate yet, 1 s or the window's wait if longer)."""
-        fallback_s = max(1.0, self._window.max_wait_ms / 1000.0)
-        return self._rate.retry_after_s(self.limits.max_queue, fallback_s)
+        return self._rate.retry_after_s(self.limits.max_queue, self._window.max_wait_ms)
 
     def wait_p50_s(self, lane: str = DEFAULT_LANE) -> float | None:
         waits = self._lanes.states[lane].waits
         return waits.median() if len(waits) else None
+
+
+class _GateHost:
+    """The gate's side of an admission pass: with no tokens or KV to count, every request fits and
+    no budget runs out; a request starts by joining the running set and the pass's ``admitted``."""
+
+    __slots__ = ("_admitted", "_gate", "_now_s")
+
+    def __init__(self, gate: GateAdmission, admitted: list[Admitted], now_s: float) -> None:
+        self._gate = gate
+        self._admitted = admitted
+        self._now_s = now_s
+
+    @property
+    def num_running(self) -> int:
+        return self._gate.num_running
+
+    def fits(self, seq: Seq) -> bool:
+        return True
+
+    def has_budget(self) -> bool:
+        return True
+
+    def start(self, seq: Seq) -> None:
+        seq.status = SeqStatus.RUNNING
+        seq.lane.running += 1
+        self._gate._num_waiting -= 1
+        self._gate._num_running += 1
+        self._admitted.append(Admitted(seq.request_id, seq.lane.name, seq.arrival_s, self._now_s, seq.tail_marked))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchpilot_runtime.model.sampling_ranges import MAX_TOP_P, MIN_TEMPERATURE, SEED_LIMIT
+
 # Below this the softmax of logits / temperature is one-hot up to float32 precision, and
 # the division itself under- or overflows (1e-300 is 0 in float32): sample greedily.
 GREEDY_BELOW_TEMPERATURE = 1e-4
@@ -26,11 +28,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+        if not math.isfinite(self.temperature) or self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= MAX_TOP_P:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed: must be in [0, 2**63), got {self.seed}")
 
     @property

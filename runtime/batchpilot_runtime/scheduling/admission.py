@@ -5,6 +5,9 @@ configuration; it turns a ``SchedRequest`` into the ``CheckedRequest`` that ``Sc
 trusts. It depends on nothing that changes, so a caller on another thread may run it at its
 boundary (the engine does, to refuse at once) and hand the result over.
 
+``check_queueable`` is the one check of a request against a queue's state (its id in use, its lane
+not open, the queue full), whoever holds that state.
+
 ``AdmissionRate`` is the one estimate of Retry-After: the time for a full queue to drain by a tenth
 at the recent admission rate.
 """
@@ -12,6 +15,7 @@ at the recent admission rate.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -90,15 +94,15 @@ class AdmissionRate:
     def record(self, now_s: float) -> None:
         self._times_s.append(now_s)
 
-    def retry_after_s(self, max_queue: int, fallback_s: float) -> float:
+    def retry_after_s(self, max_queue: int, max_wait_ms: float) -> float:
         """Time for a full queue of ``max_queue`` to drain by a tenth at the recent admission rate
-        (``fallback_s`` when there is no rate yet), within [0.1 s, 60 s]."""
+        (with no rate yet, 1 s or the window's ``max_wait_ms`` if longer), within [0.1 s, 60 s]."""
         times = self._times_s
         if len(times) >= 2 and times[-1] > times[0]:
             rate_per_s = (len(times) - 1) / (times[-1] - times[0])
             estimate_s = max(1, max_queue // 10) / rate_per_s
         else:
-            estimate_s = fallback_s
+            estimate_s = max(1.0, max_wait_ms / 1000.0)
         return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate_s))
 
 
@@ -111,7 +115,24 @@ def admission_reason(at_cap: bool, target_hit: bool, tail_hit: bool) -> str:
     return "tail" if tail_hit else "wait"
 
 
-def queue_full(waiting: int, retry_after_s: float) -> QueueFullError:
-    return QueueFullError(
-        f"the waiting queue is full ({waiting} requests); retry in {retry_after_s:.1f} s", retry_after_s
-    )
+def check_queueable(
+    request_id: str,
+    id_in_use: bool,
+    lane: str,
+    lane_open: bool,
+    open_lanes: Callable[[], Iterable[str]],
+    waiting: int,
+    max_queue: int,
+    retry_after_s: Callable[[], float],
+) -> None:
+    """The refusals at a queue's door, in this order: ``RequestRejected`` naming ``request_id`` when the id
+    is in use, naming ``lane`` (with the ``open_lanes``) when the lane is not open, and ``QueueFullError``
+    (with ``retry_after_s``) when ``waiting`` has reached ``max_queue``. The scheduler, the gate and the
+    engine's caller-side check each apply it to the state they hold."""
+    if id_in_use:
+        raise rejected("request_id", f"{request_id!r} is already queued or running")
+    if not lane_open:
+        raise rejected("lane", f"unknown lane {lane!r} (known: {', '.join(open_lanes())})")
+    if waiting >= max_queue:
+        delay_s = retry_after_s()
+        raise QueueFullError(f"the waiting queue is full ({max_queue} requests); retry in {delay_s:.1f} s", delay_s)

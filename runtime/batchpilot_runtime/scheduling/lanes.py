@@ -253,15 +253,23 @@ class LaneTable:
         rebuilt[DEFAULT_LANE] = default
         self.states = rebuilt
 
-    def open_lane(self, name: str) -> Lane | None:
-        """The lane a new request for ``name`` joins; None when that lane is closed or unknown."""
+    def is_open(self, name: str) -> bool:
+        """Whether a new request for ``name`` is taken: the lane is in force and not retired, or staged."""
+        state = self.states.get(name)
+        if state is not None and not state.retired:
+            return True
+        return self.staged is not None and name in self.staged
+
+    def open_lane(self, name: str) -> Lane:
+        """The lane a new request for ``name`` joins (``is_open`` says whether there is one; ``KeyError``
+        when not): a staged lane's queue opens here, its window applies with the lanes."""
         state = self.states.get(name)
         if state is not None and not state.retired:
             return state
         staged = None if self.staged is None else self.staged.get(name)
         if staged is None:
-            return None
-        if state is None:  # staged only: its queue opens now, its window applies with the lanes
+            raise KeyError(f"lane {name!r} is not open")
+        if state is None:
             state = Lane(name, staged.window, staged.reserved_slots, self._wait_samples)
             self.states[name] = state
         return state

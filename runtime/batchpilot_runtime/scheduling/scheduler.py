@@ -21,7 +21,8 @@ Lanes and slots
     ``set_window``/``__init__`` raise ``ValueError`` naming ``lanes``.
 
 Admission (continuous mode), once per lane per step, lanes holding a tail-marked request first
-(oldest mark first), then named lanes in their order, then ``default``
+(oldest mark first), then named lanes in their order, then ``default`` (the pass is
+``admission_pass.admit_lanes``, which the gate shares; the KV fit and the budget are this module's)
     Requests preempted earlier are resumed first, at the front of their lane, as soon as a slot and
     KV allow; a resume is not a new admission (not counted in ``admissions``) and fresh requests of
     that lane wait behind it. Then a group of fresh requests is admitted when one trigger holds:
@@ -109,16 +110,10 @@ from dataclasses import dataclass, field
 
 from batchpilot_runtime.contract.admin_api import DEFAULT_LANE, LaneWindow
 from batchpilot_runtime.contract.window import Window
-from batchpilot_runtime.scheduling.admission import (
-    AdmissionRate,
-    CheckedRequest,
-    RequestLimits,
-    admission_reason,
-    queue_full,
-    rejected,
-)
+from batchpilot_runtime.scheduling.admission import AdmissionRate, CheckedRequest, RequestLimits, check_queueable
+from batchpilot_runtime.scheduling.admission_pass import admit_lanes
 from batchpilot_runtime.scheduling.kv_blocks import KVBlockManager, blocks_for_tokens
-from batchpilot_runtime.scheduling.lanes import Lane, LaneTable, Seq
+from batchpilot_runtime.scheduling.lanes import LaneTable, Seq
 from batchpilot_runtime.scheduling.types import (
     FINISH_REASONS,
     RequestOutput,
@@ -238,14 +233,17 @@ class Scheduler:
     def enqueue(self, request: CheckedRequest) -> None:
         """Queue a request whose fields ``limits.check`` passed. ``RequestRejected`` when its id is in use
         or its lane is not open (in force and not retired, or staged), ``QueueFullError`` if no room now."""
-        if request.request_id in self._seqs:
-            raise rejected("request_id", f"{request.request_id!r} is already queued or running")
+        check_queueable(
+            request.request_id,
+            request.request_id in self._seqs,
+            request.lane,
+            self._lanes.is_open(request.lane),
+            self._lanes.open_names,
+            self._num_waiting,
+            self.config.max_queue,
+            self.retry_after_s,
+        )
         lane = self._lanes.open_lane(request.lane)
-        if lane is None:
-            known = ", ".join(self._lanes.open_names())
-            raise rejected("lane", f"unknown lane {request.lane!r} (known: {known})")
-        if self._num_waiting >= self.config.max_queue:
-            raise queue_full(self.config.max_queue, self.retry_after_s())
         seq = Seq(request, lane)
         self._seqs[request.request_id] = seq
         lane.waiting.append(seq)
@@ -459,14 +457,6 @@ class Scheduler:
             needed += self._watermark_blocks
         return needed <= self._kv.num_free_blocks
 
-    def _first_fitting_behind(self, lane: Lane) -> Seq | None:
-        """The oldest of the ``skip_ahead`` requests behind the lane's front whose prompt fits."""
-        waiting = lane.waiting
-        for index in range(1, min(len(waiting), self.config.skip_ahead + 1)):
-            if self._fits(waiting[index]):
-                return waiting[index]
-        return None
-
     def _start_running(self, seq: Seq, now_s: float) -> None:
         # Whole prompt (+ generated tokens on a recompute) up front: chunks never run out of KV.
         if self._kv.allocate(seq.request_id, seq.num_tokens) is None:
@@ -476,75 +466,26 @@ class Scheduler:
         seq.lane.running += 1
         self._num_waiting -= 1
 
-    def _take_fresh(self, lane: Lane) -> Seq | None:
-        """Take the lane's next fresh request to admit: its front when that fits the KV, else (past an
-        unmarked front) the first of the next ``skip_ahead`` that fits; None when none may go."""
-        front = lane.oldest_fresh()
-        if front is None:
-            return None
-        if self._fits(front):
-            (lane.marked if front.tail_marked else lane.waiting).popleft()
-            return front
-        passer = None if front.tail_marked else self._first_fitting_behind(lane)
-        if passer is not None:
-            lane.waiting.remove(passer)
-        return passer
-
     def _admit(self, now_s: float, acc: _StepAccumulator, budget: float) -> float:
         """Resume preempted requests and admit at most one group of fresh requests per lane, each with
         its first prompt chunk, while at least one prompt token of ``budget`` is left (static batching
         admits its whole group: a batch in progress blocks later admissions). Returns the budget left."""
-
-        def start(seq: Seq) -> None:
-            nonlocal budget
-            self._start_running(seq, now_s)
-            if budget > 0:
-                budget -= self._add_prefill_chunk(seq, budget, acc)
-
-        def budget_left() -> bool:
-            return self._static or budget >= 1
-
         batch_in_progress = self._static and (
             bool(self._running) or any(lane.resume for lane in self._lanes.states.values())
         )
-        for lane in self._lanes.admission_order():
-            if not (lane.resume or lane.marked or lane.waiting):
-                continue
-            room = self._lanes.slot_room(lane, len(self._running), self._window.hard_cap)
-            # a. Preempted requests first: they were admitted before everything still waiting.
-            while lane.resume and room > 0 and budget_left() and self._fits(lane.resume[0]):
-                start(lane.resume.popleft())
-                room -= 1
-            if lane.resume or batch_in_progress or room <= 0 or not budget_left():
-                continue
-            # b. The window's triggers.
-            window = lane.window
-            target_hit, tail_hit, wait_hit = lane.triggers(now_s, len(self._running))
-            if not (target_hit or tail_hit or wait_hit):
-                continue
-            # c. The group: front of the lane while a slot is free and the prompt fits; past an unmarked
-            #    front that does not fit, one of the next ``skip_ahead`` that does.
-            group = 0
-            while room > 0 and budget_left():
-                seq_or_none = self._take_fresh(lane)
-                if seq_or_none is None:
-                    break
-                seq = seq_or_none
-                seq.first_admitted_s = now_s
-                lane.waits.add(now_s - seq.arrival_s)
-                self._admission_rate.record(now_s)
-                start(seq)
-                room -= 1
-                group += 1
-            if group == 0:
-                continue
-            # d. Counted once, by the strongest condition that holds.
-            lane_running = len(self._running) if lane.is_default else lane.running
-            at_cap = lane_running >= window.hard_cap or len(self._running) >= self._window.hard_cap
-            reason = admission_reason(at_cap, target_hit, tail_hit)
-            acc.admissions[reason] = acc.admissions.get(reason, 0) + 1
-            acc.admitted_requests += group
-        return budget
+        host = _StepAdmission(self, acc, now_s, budget)
+        admitted = admit_lanes(
+            self._lanes,
+            host,
+            now_s,
+            self._window.hard_cap,
+            self._admission_rate,
+            self.config.skip_ahead,
+            batch_in_progress,
+        )
+        acc.admissions = admitted.admissions
+        acc.admitted_requests = admitted.admitted_requests
+        return host.budget
 
     def _finish(self, seq: Seq, reason: str, now_s: float, token_id: int | None) -> RequestOutput:
         lane = seq.lane
@@ -577,5 +518,34 @@ class Scheduler:
     def retry_after_s(self) -> float:
         """How long a request refused for a full queue should wait: the time for the queue to drain by
         a tenth at the recent admission rate (with no rate yet, 1 s or the window's wait if longer)."""
-        fallback_s = max(1.0, self._window.max_wait_ms / 1000.0)
-        return self._admission_rate.retry_after_s(self.config.max_queue, fallback_s)
+        return self._admission_rate.retry_after_s(self.config.max_queue, self._window.max_wait_ms)
+
+
+class _StepAdmission:
+    """The scheduler's side of one step's admission pass: a request fits when its whole prompt and
+    the watermark fit the free KV blocks, and starts with its first chunk of the step's budget."""
+
+    __slots__ = ("_acc", "_now_s", "_scheduler", "budget")
+
+    def __init__(self, scheduler: Scheduler, acc: _StepAccumulator, now_s: float, budget: float) -> None:
+        self._scheduler = scheduler
+        self._acc = acc
+        self._now_s = now_s
+        self.budget = budget  # prompt tokens this step may still prefill
+
+    @property
+    def num_running(self) -> int:
+        return self._scheduler.num_running
+
+    def fits(self, seq: Seq) -> bool:
+        return self._scheduler._fits(seq)
+
+    def has_budget(self) -> bool:
+        # Static batching admits its whole group: the batch's first step may exceed the budget.
+        return self._scheduler._static or self.budget >= 1
+
+    def start(self, seq: Seq) -> None:
+        scheduler = self._scheduler
+        scheduler._start_running(seq, self._now_s)
+        if self.budget > 0:
+            self.budget -= scheduler._add_prefill_chunk(seq, self.budget, self._acc)

@@ -18,11 +18,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchpilot_runtime.model.sampling_ranges import MAX_TOP_P, MIN_TEMPERATURE, SEED_LIMIT
+
 MAX_STOP_STRINGS = 4
-# The largest integer a double holds exactly (as the window's generation): a JavaScript client
-# cannot send a larger one exactly, and readers of the OpenAPI document that parse numbers as
-# doubles (the API fuzzer among them) misread bounds near 2^63 and drew seeds past them.
-MAX_SEED = 2**53 - 1
+# The sampling fields' bounds are the sampler's own (``model.sampling_ranges``), narrowed here for clients:
+# temperature to OpenAI's 2, and the seed to the largest integer a double holds exactly (as the
+# window's generation): a JavaScript client cannot send a larger one exactly, and readers of the
+# OpenAPI document that parse numbers as doubles (the API fuzzer among them) misread bounds near 2^63
+# and drew seeds past them.
+MAX_TEMPERATURE = 2.0
+MAX_SEED = min(2**53 - 1, SEED_LIMIT - 1)
 MAX_STOP_STRING_CHARS = 256
 
 
@@ -151,8 +156,8 @@ class CompletionRequest(BaseModel):
         | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1_000_000)]
     ) = Field(description="A text prompt, or a prompt as a list of token ids.")
     max_tokens: int = Field(default=16, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 samples greedily.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, description="0 samples greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=MAX_TOP_P)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed of this request's sampler.")
     stop: StopStrings = Field(default=None, description="Up to 4 strings that end the completion.")
     stream: bool = False
@@ -228,8 +233,8 @@ class ChatCompletionRequest(BaseModel):
         default=None, ge=1, description="Most tokens to generate; by default the rest of the context."
     )
     max_tokens: int | None = Field(default=None, ge=1, description="The older name of max_completion_tokens.")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 samples greedily.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, description="0 samples greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=MAX_TOP_P)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed of this request's sampler.")
     stop: StopStrings = Field(default=None, description="Up to 4 strings that end the reply.")
     stream: bool = False
