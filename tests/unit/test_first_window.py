@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from batchpilot_operator.api.bounds import WindowBounds
 from batchpilot_operator.api.crd import custom_resource_definition
+from batchpilot_operator.api.first_window import DECODE_SHARE, GAP_SHARE, first_window
 from batchpilot_operator.api.profile import ProfileError, parse_spec
 from batchpilot_operator.api.step_costs import StepCosts
-from batchpilot_operator.tuning.first_window import DECODE_SHARE, GAP_SHARE, first_window
 from batchpilot_runtime.contract.window import MAX_PREFILL_TOKENS_LIMIT
 from tests.support.crd_validation import validate_object
 from tests.support.factories import make_manifest, make_spec_dict

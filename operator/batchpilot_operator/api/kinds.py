@@ -17,6 +17,14 @@ class Friendliness(StrEnum):
     AUTO = "auto"
 
 
+# How far each class lets the cap go (the bounds still apply on top).
+CLASS_CAP_CEILING: dict[Friendliness, int] = {
+    Friendliness.HIGH: 4096,
+    Friendliness.MEDIUM: 128,
+    Friendliness.LOW: 32,
+}
+
+
 class LatencyMetric(StrEnum):
     TTFT = "ttft"
     QUEUE_WAIT = "queueWait"

@@ -12,7 +12,15 @@ from pydantic import ConfigDict, Field, JsonValue, PrivateAttr, model_validator
 from batchpilot_operator.api.bounds import WindowBounds
 from batchpilot_operator.api.canary import CANARY_RULE, canary_problems
 from batchpilot_operator.api.endpoint import RuntimeEndpoint
-from batchpilot_operator.api.kinds import EngineKind, Friendliness, LatencyMetric, TuningMode, default_mode
+from batchpilot_operator.api.first_window import first_window
+from batchpilot_operator.api.kinds import (
+    CLASS_CAP_CEILING,
+    EngineKind,
+    Friendliness,
+    LatencyMetric,
+    TuningMode,
+    default_mode,
+)
 from batchpilot_operator.api.restart import RestartBudget
 from batchpilot_operator.api.selector import LabelSelector
 from batchpilot_operator.api.slo import SLO, Tuning
@@ -219,11 +227,7 @@ class BatchProfileSpec(CamelModel):
 
 
 def derived_window(spec: BatchProfileSpec) -> WindowFields:
-    """The first window of a profile without one (:mod:`batchpilot_operator.tuning.first_window`)."""
-    # Imported here: the tuning package reads these models, so it cannot be imported at load time.
-    from batchpilot_operator.tuning.first_window import first_window
-    from batchpilot_operator.tuning.friendliness import CLASS_CAP_CEILING
-
+    """The first window of a profile without one (:mod:`batchpilot_operator.api.first_window`)."""
     assert spec.step_costs is not None
     friendliness = Friendliness.MEDIUM if spec.batch_friendliness == Friendliness.AUTO else spec.batch_friendliness
     first_token = spec.slo.p99_ms if spec.slo.latency_metric == LatencyMetric.TTFT else None

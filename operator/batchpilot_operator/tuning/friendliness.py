@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from batchpilot_operator.api.kinds import CLASS_CAP_CEILING as CLASS_CAP_CEILING
 from batchpilot_operator.api.profile import Friendliness
 from batchpilot_operator.api.status import FriendlinessPoint, FriendlinessStatus
 
@@ -24,12 +25,6 @@ KNEE_GAIN_PER_DOUBLING = 1.15
 # Throughput gain per doubling, averaged over the curve, that separates the classes.
 HIGH_GAIN_PER_DOUBLING = 1.6
 MEDIUM_GAIN_PER_DOUBLING = 1.25
-# How far each class lets the cap go (the bounds still apply on top).
-CLASS_CAP_CEILING: dict[Friendliness, int] = {
-    Friendliness.HIGH: 4096,
-    Friendliness.MEDIUM: 128,
-    Friendliness.LOW: 32,
-}
 
 
 @dataclass(frozen=True)
