@@ -20,12 +20,6 @@ from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState
 from batchpilot_runtime.contract.window import Window
 
 
-def numbered(window: Window, *, past: int | None) -> Window:
-    """``window`` numbered one past generation ``past`` (1 when there is none). The control loop numbers
-    every window it puts in force (or tries on a canary); the policy never does."""
-    return window.with_generation((past or 0) + 1)
-
-
 @dataclass(frozen=True)
 class Settings:
     """Operator settings. ``interval_override_s`` replaces every profile's intervalSeconds (tests use
@@ -100,12 +94,13 @@ class PodRecord:
 
 @dataclass
 class LoopState:
-    """What the loop keeps of a profile between ticks. The loop alone writes these, and alone numbers
-    the windows it puts in force (``Controller._number``, apart from the policy's own decisions)."""
+    """What the loop keeps of a profile between ticks. Every window put in force here is numbered in
+    control/plan.py; ``push_pending`` is set by :meth:`Controller.upsert_profile` and cleared once the
+    profile's sync ran (``Controller._sync_profile_isolated``)."""
 
     window: Window | None = None  # the window in force: pushed, or to be pushed
     last_slot: int | None = None  # the interval slot, floor(tick start / interval), last evaluated
-    push_pending: bool = True  # push on the next tick, due or not: a new profile, a new spec, a new window
+    push_pending: bool = True  # push on the next tick, due or not: a new profile or a new spec
     # The generation of the window read back from status when the profile was adopted (an earlier operator
     # put it in force): a pod not seen yet is read before it is written, since it most likely holds it.
     adopted_generation: int | None = None
@@ -123,6 +118,13 @@ class PodSync:
     # Engines without a window (SGLang): the generation whose settings each pod was last found holding.
     applied: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
+
+    def forget(self, pod: str) -> None:
+        """Drop all that is known of pod ``pod`` (a pod key): it went away, or it became Ready again (a
+        restart, a new IP), so what it ran, refused, failed with or clamped is no longer known; its next
+        push finds out again."""
+        for per_pod in (self.pod_states, self.pod_errors, self.refused, self.clamped, self.verified_s, self.applied):
+            per_pod.pop(pod, None)
 
 
 @dataclass
