@@ -65,7 +65,7 @@ from batchpilot_operator.control.records import (
     Sink,
     TickReport,
     lanes_of,
-    window_from_status,
+    read_status_window,
 )
 from batchpilot_operator.control.registry import Registry
 from batchpilot_operator.control.restart import RestartPath, Workloads
@@ -85,6 +85,7 @@ from batchpilot_operator.io.sglang import SGLangClient
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning import policy_memo
 from batchpilot_operator.tuning.observations import Observations
+from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
 
@@ -179,7 +180,7 @@ class Controller:
             record.status.written = dict(status or {})
             # Adopted from an earlier operator's status: its window in force (and generation), its policy's
             # memory (the cooldown included), and the end of any canary it left running.
-            record.loop.window = window_from_status(status)
+            record.loop.window = self._window_from_status(ref, status)
             record.loop.adopted_generation = record.loop.window.generation if record.loop.window else None
             record.memory.policy_state = self._policy_from_status(ref, status, parsed, generation)
             self.canaries.adopt(record, status)
@@ -202,6 +203,15 @@ class Controller:
         self.metrics.profiles_managed.set(len(self.profiles))
         self._wake.set()
         return record
+
+    @staticmethod
+    def _window_from_status(ref: ProfileRef, status: Mapping[str, Any] | None) -> Window | None:
+        """The window in force kept in status by an earlier operator; one that does not validate is dropped,
+        and the log says what was wrong with it (the spec's window is then numbered past none)."""
+        read = read_status_window(status)
+        if read.problem is not None:
+            log.warning("profile %s: window in status not used: %s", ref.key, read.problem)
+        return read.window
 
     def _policy_from_status(
         self, ref: ProfileRef, status: Mapping[str, Any] | None, spec: BatchProfileSpec | None, generation: int | None

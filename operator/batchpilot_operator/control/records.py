@@ -7,8 +7,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from batchpilot_operator.api.canary import CanaryStatus
-from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.api.profile import BatchProfileSpec, format_validation_error
 from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
 from batchpilot_operator.control.status import ConditionFact
@@ -219,11 +221,31 @@ def lanes_of(spec: BatchProfileSpec, generation: int) -> list[LaneWindow] | None
     ]
 
 
-def window_from_status(status: Mapping[str, Any] | None) -> Window | None:
-    if not status or not isinstance(status.get("window"), Mapping):
-        return None
+@dataclass(frozen=True)
+class StatusWindow:
+    """status.window as an earlier operator wrote it: the window, or None with ``problem`` saying why one
+    that is there cannot be used (None when status has no window at all)."""
+
+    window: Window | None
+    problem: str | None = None
+
+
+def read_status_window(status: Mapping[str, Any] | None) -> StatusWindow:
+    """status.window, validated; a window that does not validate is dropped, and ``problem`` names what
+    was wrong with it, field by field."""
+    written = status.get("window") if status else None
+    if written is None:
+        return StatusWindow(None)
+    if not isinstance(written, Mapping):
+        return StatusWindow(None, f"status.window is a {type(written).__name__}, not an object")
     try:
-        raw = {k: v for k, v in status["window"].items() if k != "appliedAt"}
-        return Window.model_validate(raw)
-    except Exception:
-        return None
+        return StatusWindow(Window.model_validate({k: v for k, v in written.items() if k != "appliedAt"}))
+    except ValidationError as error:
+        return StatusWindow(None, format_validation_error(error, "status.window"))
+    except Exception as error:  # whatever else a hand-edited status holds must not stop the adoption
+        return StatusWindow(None, f"status.window: {type(error).__name__}: {error}")
+
+
+def window_from_status(status: Mapping[str, Any] | None) -> Window | None:
+    """status.window, None when there is none or it does not validate (:func:`read_status_window` says why)."""
+    return read_status_window(status).window
