@@ -61,7 +61,6 @@ from batchpilot_operator.control.records import (
     PodRecord,
     ProfileRecord,
     ProfileRef,
-    Settings,
     Sink,
     TickReport,
     lanes_of,
@@ -69,6 +68,7 @@ from batchpilot_operator.control.records import (
 )
 from batchpilot_operator.control.registry import Registry
 from batchpilot_operator.control.restart import RestartPath, Workloads
+from batchpilot_operator.control.settings import Settings
 from batchpilot_operator.control.sglang_sync import SGLangSync
 from batchpilot_operator.control.status import (
     UNKNOWN,
