@@ -8,7 +8,7 @@ loop for all profiles:
 1. pick the profiles whose interval is due (intervals are aligned on one grid,
    so profiles with the same interval are evaluated on the same tick and the
    grouped queries run once per interval, however many profiles there are);
-2. collect every due model's metrics from the source in one call;
+2. collect every due model's metrics from the source in one call (:mod:`.collect`);
 3. plan per profile (:func:`.plan.plan`, by mode: adaptive: the policy, or its
    canary; recommend and restart: the policy, reported only; static: the spec's
    window) and apply the plan to the record; a window that changed goes to
@@ -32,13 +32,13 @@ tick goes on for the others. Every outbound call has a deadline and a body cap
 only. A status patch that fails leaves the last-written status as it was, so the
 next tick's patch carries every field again.
 
-The jobs are split: :mod:`.registry` knows what exists and which pods a profile selects, :mod:`.plan`
-decides each profile's tick as a pure function (and alone numbers windows), :mod:`.sync_paths` brings the
-pods to the window by each mode's and engine's path (:mod:`.syncer` pushes and records results),
-:mod:`.conditions` and :mod:`.facts` derive the status as pure functions, :mod:`.export` sets the operator's
-own metrics. This module is the loop and the wiring: one profile's tick is :meth:`Controller._decide`
-(observe, evaluate the canary, :func:`.plan.plan`, :meth:`Controller._apply`, announce), then
-:meth:`Controller._sync_profile_isolated` (:meth:`.sync_paths.SyncPaths.sync`).
+The jobs are split: :mod:`.registry` knows what exists and which pods a profile selects, :mod:`.collect`
+gathers the tick's metrics, :mod:`.plan` decides each profile's tick as a pure function (and alone numbers
+windows), :mod:`.sync_paths` brings the pods to the window by each mode's and engine's path (:mod:`.syncer`
+pushes and records results), :mod:`.conditions` and :mod:`.facts` derive the status as pure functions,
+:mod:`.export` sets the operator's own metrics. This module is the loop and the wiring: one profile's tick is
+:meth:`Controller._decide` (observe, evaluate the canary, :func:`.plan.plan`, :meth:`Controller._apply`,
+announce), then :meth:`Controller._sync_profile_isolated` (:meth:`.sync_paths.SyncPaths.sync`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from typing import Any
 
 from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, ProfileError, TuningMode, parse_spec
 from batchpilot_operator.control import conditions
-from batchpilot_operator.control.canary import Canaries, metrics_url
+from batchpilot_operator.control.canary import Canaries
+from batchpilot_operator.control.collect import collect
 from batchpilot_operator.control.events import Events, announce
 from batchpilot_operator.control.facts import status_facts
 from batchpilot_operator.control.plan import CanaryEvaluation, Plan, plan, relaned, starting_window
@@ -78,7 +79,7 @@ from batchpilot_operator.control.status import (
 from batchpilot_operator.control.status_writer import StatusWriter
 from batchpilot_operator.control.sync_paths import SyncPaths
 from batchpilot_operator.control.syncer import Syncer
-from batchpilot_operator.io.observe import MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
+from batchpilot_operator.io.observe import ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.push import ERROR, OK, AdminClient
 from batchpilot_operator.io.sglang import SGLangClient
@@ -318,7 +319,9 @@ class Controller:
                 due.append(record)
 
         # 2. One collection for every due model.
-        metrics, report.metrics_error = await self._collect(due, report)
+        metrics, report.metrics_error = await collect(
+            self.source, due, self.pods_of, self.match_by_model, self.metrics, self._mono, report
+        )
         await self.canaries.collect(self.source, due, self.pods_of, self.match_by_model)
 
         # 3. Decide.
@@ -358,44 +361,6 @@ class Controller:
         self.ticks += 1
         self.last_report = report
         return report
-
-    async def _collect(
-        self, due: Sequence[ProfileRecord], report: TickReport
-    ) -> tuple[dict[ModelKey, ModelMetrics], str | None]:
-        """Every due model's metrics from the source in one call, or why there are none."""
-        if not due:
-            return {}, None
-        if self.source is None:
-            return {}, "no metric source configured"
-        targets: dict[ModelKey, list[str]] = {}
-        for record in due:
-            urls = [
-                url
-                for p in self.pods_of(record)
-                if p.ready
-                for url in (metrics_url(p, record.spec), p.engine_metrics_url)  # type: ignore[arg-type]
-                if url is not None
-            ]
-            key = (record.ref.namespace if not self.match_by_model else "", record.spec.model)  # type: ignore[union-attr]
-            targets.setdefault(key, []).extend(urls)
-        metrics: dict[ModelKey, ModelMetrics] = {}
-        metrics_error: str | None = None
-        collect_started = self._mono()
-        try:
-            engines = sorted({record.spec.engine.value for record in due if record.spec is not None})
-            # batchpilot alone is every source's default: sources that know no other engine need not take it.
-            metrics = await (
-                self.source.collect(targets) if engines == ["batchpilot"] else self.source.collect(targets, engines)
-            )
-        except MetricsUnavailable as error:
-            metrics_error = str(error)
-            self.metrics.query_errors.labels(query="all").inc()
-        except Exception as error:  # a source bug must not stop the loop
-            metrics_error = f"{type(error).__name__}: {error}"
-            self.metrics.query_errors.labels(query="all").inc()
-        self.metrics.query_seconds.labels(query="all").observe(self._mono() - collect_started)
-        report.queries = getattr(getattr(self.source, "last_stats", None), "queries", 0)
-        return metrics, metrics_error
 
     def _decide(
         self,
