@@ -23,6 +23,7 @@ from batchpilot_operator.control.plan import (
     screen,
     starting_window,
     sync_path,
+    window_for_spec,
 )
 from batchpilot_operator.control.records import PodRecord, ProfileRecord, ProfileRef
 from batchpilot_operator.tuning.canary import CanaryRun
@@ -68,6 +69,19 @@ def test_static_mode_keeps_the_spec_window_while_its_fields_hold_and_renumbers_i
     other = make_window(target=2, cap=4, generation=4)
     assert starting_window(spec, other, {}) == Window.from_fields(spec.window, 5)
     assert starting_window(spec, None, status_with(other)) == Window.from_fields(spec.window, 5)
+
+
+LANES = [{"name": "critical", "window": {"targetBatchSize": 1, "hardCap": 2, "maxWaitMs": 0}, "reservedSlots": 1}]
+
+
+def test_a_new_spec_keeps_the_window_in_force_unless_its_window_or_lanes_change() -> None:
+    spec, in_force = make_spec(), make_window(target=4, cap=8, generation=5)
+    written = status_with(make_window(generation=3))
+    assert window_for_spec(spec, None, None, written) == Window.from_fields(spec.window, 4)  # a new profile
+    assert window_for_spec(make_spec(slo={"p99Ms": 300}), spec, in_force, written) is in_force
+    new_window = make_spec(window={"targetBatchSize": 2, "hardCap": 4, "maxWaitMs": 10})
+    assert window_for_spec(new_window, spec, in_force, written) == Window.from_fields(new_window.window, 4)
+    assert window_for_spec(make_spec(lanes=LANES), spec, in_force, written) == in_force.with_generation(6)
 
 
 def test_new_lanes_move_the_window_one_generation_on() -> None:
@@ -231,6 +245,7 @@ STEPS = st.one_of(
     st.tuples(st.just("conflict"), st.integers(min_value=0, max_value=40)),
     st.tuples(st.just("restart"), st.integers(min_value=1, max_value=64)),
     st.tuples(st.just("relane"), st.just(0)),
+    st.tuples(st.just("respec"), st.sampled_from([4, 8, 16])),
     st.tuples(st.just("canary_rollback"), st.integers(min_value=0, max_value=40)),
 )
 
@@ -240,8 +255,9 @@ STEPS = st.one_of(
 def test_the_generation_in_force_strictly_increases_with_every_new_window(
     steps: list[tuple[str, float]], written_generation: int
 ) -> None:
-    """Whatever happens (the policy's decisions, conflicts, restarts, new lanes, canaries rolled back), a
-    window put in force is numbered past the one before it, and a window kept keeps its generation."""
+    """Whatever happens (the policy's decisions, conflicts, restarts, new lanes, a new spec.window, canaries
+    rolled back), a window put in force is numbered past the one before it, and a window kept keeps its
+    generation."""
     written = status_with(make_window(generation=written_generation)) if written_generation else {}
     record = make_record(make_spec(), written=written)
     assert record.loop.window is not None and record.loop.window.generation == written_generation + 1
@@ -260,6 +276,10 @@ def test_the_generation_in_force_strictly_increases_with_every_new_window(
             record.loop.window = followed(before, running)
         elif kind == "relane":
             record.loop.window = relaned(before)
+        elif kind == "respec":  # a new spec.window, with the status the tick wrote for the window in force
+            old_spec, cap = record.spec, int(value)
+            record.spec = make_spec(window={"targetBatchSize": cap // 2, "hardCap": cap, "maxWaitMs": 40})
+            record.loop.window = window_for_spec(record.spec, old_spec, before, status_with(before))
         else:  # a canary numbered past the window in force (or past a newer one) rolled back
             past = before.generation + int(value)
             planned = plan(record, make_observations(), now_s, CanaryEvaluation("back", ended=before, past=past))

@@ -56,7 +56,7 @@ from batchpilot_operator.control.canary import Canaries
 from batchpilot_operator.control.collect import collect
 from batchpilot_operator.control.events import Events, announce
 from batchpilot_operator.control.facts import status_facts
-from batchpilot_operator.control.plan import CanaryEvaluation, Plan, plan, relaned, starting_window
+from batchpilot_operator.control.plan import CanaryEvaluation, Plan, plan, starting_window, window_for_spec
 from batchpilot_operator.control.records import (
     MetricsSource,
     PodRecord,
@@ -176,6 +176,7 @@ class Controller:
             parsed, error = None, str(problem)
         record = self.profiles.get(ref.key)
         old_index_key = self.registry.index_key(record) if record is not None else None
+        old_spec = record.spec if record is not None else None
         if record is None:
             record = ProfileRecord(ref=ref, generation=generation, spec=parsed, error=error)
             record.status.written = dict(status or {})
@@ -186,19 +187,14 @@ class Controller:
             record.memory.policy_state = self._policy_from_status(ref, status, parsed, generation)
             self.canaries.adopt(record, status)
         else:
-            old_spec = record.spec
             record.ref, record.generation, record.spec, record.error = ref, generation, parsed, error
             if status is not None:
                 record.status.written = dict(status)
-            if parsed is not None and old_spec is not None and parsed.window != old_spec.window:
-                record.loop.window = None  # a new starting window: reset to it on the next push
-            if parsed is not None and old_spec is not None and parsed.lanes != old_spec.lanes and record.loop.window:
-                record.loop.window = relaned(record.loop.window)
             if parsed is not None and parsed != old_spec:
                 # The same rule as for a memory restored across a spec change: a restart changes nothing.
                 record.memory.policy_state = policy_memo.carry_over(record.memory.policy_state, parsed)
         if parsed is not None:
-            self._ensure_window(record)
+            record.loop.window = window_for_spec(parsed, old_spec, record.loop.window, record.status.written)
         self.registry.put_profile(record, old_index_key)
         record.loop.push_pending = True
         self.metrics.profiles_managed.set(len(self.profiles))

@@ -8,11 +8,12 @@ force (or tries it on a canary first). :func:`sync_path` then says how the windo
 and engine, and :func:`push_groups` which pods get which window. The controller applies the plan
 (control/controller.py) and runs the sync path (control/sync_paths.py).
 
-This module alone numbers windows (:func:`numbered`): the starting window (:func:`starting_window`), a
-new set of lanes (:func:`relaned`), the policy's and the canary's windows (:func:`plan`), a window past a
-pod's conflict (:func:`past_conflict`) and the window a restarted workload runs (:func:`followed`). Each is
-one past the generation it replaces, so the generations of the window in force only increase; the policy
-never numbers.
+This module alone numbers windows (:func:`numbered`): the starting window (:func:`starting_window`, and
+:func:`window_for_spec` on a new spec), a new set of lanes (:func:`relaned`), the policy's and the canary's
+windows (:func:`plan`), a window past a pod's conflict (:func:`past_conflict`) and the window a restarted
+workload runs (:func:`followed`). Each is one past the generation it replaces (a new spec.window: past the one
+last written to status, which the pods run), so the generations of the window in force only increase; the
+policy never numbers.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def starting_window(spec: BatchProfileSpec, in_force: Window | None, written: Ma
         return in_force
     previous = window_from_status(written)
     return numbered(Window.from_fields(spec.window, 1), past=previous.generation if previous else None)
+
+
+def window_for_spec(
+    spec: BatchProfileSpec, old_spec: BatchProfileSpec | None, in_force: Window | None, written: Mapping[str, Any]
+) -> Window:
+    """The window in force once ``spec`` replaces ``old_spec`` (None: a new profile, or one whose spec was
+    invalid): a new spec.window starts again from it (numbered past the window in status), new lanes
+    renumber the window in force, anything else keeps it (see :func:`starting_window`)."""
+    if old_spec is not None and spec.window != old_spec.window:
+        in_force = None
+    elif old_spec is not None and spec.lanes != old_spec.lanes and in_force is not None:
+        in_force = relaned(in_force)
+    return starting_window(spec, in_force, written)
 
 
 def relaned(in_force: Window) -> Window:
