@@ -11,6 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from batchpilot_operator.control.settings import DEFAULT_SETTINGS
+from batchpilot_operator.frontends.run_options import DEFAULT_RUN_OPTIONS as RUN
+
 
 def register(subparsers: Any) -> None:
     _register_run(subparsers)
@@ -32,7 +35,8 @@ def _register_local(subparsers: Any) -> None:
         help="one runtime pod (repeatable); its /metrics is scraped when --prometheus-url is not given",
     )
     parser.add_argument("--prometheus-url", help="read metrics from this Prometheus instead of scraping")
-    parser.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval, s")
+    parser.add_argument("--scrape-interval", type=float, default=DEFAULT_SETTINGS.scrape_interval_s,
+                        help="Prometheus scrape interval, s")  # fmt: skip
     parser.add_argument("--interval", type=float, help="replace every profile's intervalSeconds, s")
     parser.add_argument("--push-timeout", type=float, default=2.0,
                         help="deadline of one admin call, the whole answer included, s")  # fmt: skip
@@ -63,8 +67,11 @@ def _register_run(subparsers: Any) -> None:
     scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
     parser.add_argument("--prometheus-url", help="Prometheus base URL the observations are queried from")
-    parser.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval, s")
-    parser.add_argument("--query-timeout", type=float, default=5.0, help="timeout of one query round, s")
+    parser.add_argument("--scrape-interval", type=float, default=RUN.scrape_interval_s,
+                        help="Prometheus scrape interval, s")  # fmt: skip
+    parser.add_argument(
+        "--query-timeout", type=float, default=RUN.query_timeout_s, help="timeout of one query round, s"
+    )
     parser.add_argument("--admin-token-file", type=Path, help="bearer token for the runtimes' admin API")
     parser.add_argument("--admin-token-namespace", action="append", default=[], metavar="NAMESPACE",
                         help="send the --admin-token-file token only to pods of this namespace (repeatable; default: "
@@ -72,19 +79,22 @@ def _register_run(subparsers: Any) -> None:
                              "their profile's spec.runtime.adminTokenSecret")  # fmt: skip
     parser.add_argument("--pod-label", action="append", default=[], metavar="KEY=VALUE",
                         help="only index pods with this label (repeatable)")  # fmt: skip
-    parser.add_argument("--metrics-port", type=int, default=9090, help="port of the operator's /metrics (0: off)")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
-    parser.add_argument("--peering", choices=("auto", "off", "required"), default="auto")
-    parser.add_argument("--peering-name", default="batchpilot")
+    parser.add_argument("--metrics-port", type=int, default=RUN.metrics_port,
+                        help="port of the operator's /metrics (0: off)")  # fmt: skip
+    parser.add_argument("--liveness", default=RUN.liveness, help="kopf liveness endpoint URL")
+    parser.add_argument("--peering", choices=("auto", "off", "required"), default=RUN.peering)
+    parser.add_argument("--peering-name", default=RUN.peering_name)
     parser.add_argument("--priority", type=int, help="peering priority (default: start time; the newest wins)")
-    parser.add_argument("--peering-lifetime", type=int, default=60, help="seconds a silent peer counts as alive")
-    parser.add_argument("--tick", type=float, default=1.0, help="seconds between two loop wake-ups")
+    parser.add_argument("--peering-lifetime", type=int, default=RUN.peering_lifetime_s,
+                        help="seconds a silent peer counts as alive")  # fmt: skip
+    parser.add_argument("--tick", type=float, default=RUN.tick_s, help="seconds between two loop wake-ups")
     parser.add_argument("--interval-override", type=float,
                         help="replace every profile's intervalSeconds, s (tests; the resource allows >= 5)")  # fmt: skip
-    parser.add_argument("--watch-check", type=float, default=60.0, help="seconds between two watch-health checks")
-    parser.add_argument("--push-timeout", type=float, default=2.0,
+    parser.add_argument("--watch-check", type=float, default=RUN.watch_check_s,
+                        help="seconds between two watch-health checks")  # fmt: skip
+    parser.add_argument("--push-timeout", type=float, default=RUN.push_timeout_s,
                         help="deadline of one admin call, the whole answer included, s")  # fmt: skip
-    parser.add_argument("--resync", type=float, default=0.0,
+    parser.add_argument("--resync", type=float, default=RUN.resync_s,
                         help="least seconds between two read-backs of a pod known to be in sync (0: every interval, "
                              "fully level-triggered; raise it to cut admin calls at thousands of pods)")  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="debug logging")
@@ -103,7 +113,8 @@ def _labels(items: list[str]) -> dict[str, str]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from batchpilot_operator.frontends.kopf_app import OperatorApp, RunOptions
+    from batchpilot_operator.frontends.kopf_app import OperatorApp
+    from batchpilot_operator.frontends.run_options import RunOptions
 
     options = RunOptions(
         kubeconfig=args.kubeconfig,

@@ -3,17 +3,20 @@ interval, then goes to every pod or is rolled back on the canaries.
 
 The controller calls, per tick: :meth:`Canaries.collect` (per-pod latency of the profiles with a canary in
 progress, one extra query for all of them, none when no canary runs), then per due profile
-:meth:`Canaries.evaluate` before its policy (while a canary runs the policy holds: its observations mix
-both windows), :meth:`Canaries.screen` and :meth:`Canaries.start` on a changed window, and
-:meth:`Canaries.assignments` when it pushes; :meth:`Canaries.drop_unwanted` ends a canary whose spec no
-longer wants one, whatever the mode. A canary an earlier operator left running is ended when its profile
-is adopted (:meth:`Canaries.adopt`) and reported at its first decision (:meth:`Canaries.report_restart`). The rule itself is pure, in
-:mod:`batchpilot_operator.tuning.canary`.
+:meth:`Canaries.evaluate` before its plan (while a canary runs the policy holds: its observations mix
+both windows), and :meth:`Canaries.start` when the plan (control/plan.py) starts one;
+:meth:`Canaries.drop_unwanted` ends a canary whose spec no longer wants one, whatever the mode. A canary an
+earlier operator left running is ended when its profile is adopted (:meth:`Canaries.adopt`) and reported at
+its first decision (:meth:`Canaries.report_restart`). The rule itself is pure, in
+:mod:`batchpilot_operator.tuning.canary`; which pods a canary starts on, which window each pod is pushed and
+a window the policy proposes again after its canary rolled it back are the plan's
+(:func:`~batchpilot_operator.control.plan.plan`, :func:`~batchpilot_operator.control.plan.push_groups`,
+:func:`~batchpilot_operator.control.plan.screen`).
 
 Invariants: ``record.loop.window`` stays the window of the baseline pods while a canary runs (so Synced
 counts both groups and a new pod gets the baseline's window); the canary pods are chosen once, at the
 start, and only leave the canary by going away; this module never numbers a window: an ended canary
-hands the controller the window to put in force and the generation to number it past.
+hands the plan the window to put in force and the generation to number it past.
 """
 
 from __future__ import annotations
@@ -21,18 +24,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from batchpilot_operator.api.canary import CanaryStatus
-from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, TuningMode
+from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.control.facts import ended_by_restart
+from batchpilot_operator.control.plan import CanaryEvaluation, canary_wanted
 from batchpilot_operator.control.records import PodRecord, ProfileRecord
 from batchpilot_operator.control.status import rfc3339
 from batchpilot_operator.io.observe import ModelKey, ModelMetrics, to_observations
 from batchpilot_operator.io.outbound import base_url
-from batchpilot_operator.tuning import policy as policy_mod
-from batchpilot_operator.tuning.canary import CanaryRun, State, Step, Verdict, advance, choose_pods, judge
+from batchpilot_operator.tuning.canary import CanaryRun, State, Step, Verdict, advance, judge
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
@@ -54,31 +57,11 @@ class PodMetricsSource(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    """What a tick's evaluation asks of the controller: hold the policy (``hold_reason``), and, when the
-    canary ended, put ``ended`` in force on every pod, numbered past ``past`` (None: as it is numbered)."""
-
-    hold_reason: str | None = None
-    ended: Window | None = None
-    past: int | None = None
-
-
 def metrics_url(pod: PodRecord, spec: BatchProfileSpec) -> str | None:
     """Where a pod's /metrics is: the URL local mode gave, or its IP and the serving port."""
     if pod.metrics_url:
         return pod.metrics_url
     return f"{base_url(pod.ip, spec.runtime.serve_port)}/metrics" if pod.ip else None
-
-
-def wanted(spec: BatchProfileSpec | None) -> bool:
-    """Whether the profile's new windows go through a canary (its spec allows one: see api/canary.py)."""
-    return (
-        spec is not None
-        and spec.tuning.canary.enabled
-        and spec.mode == TuningMode.ADAPTIVE
-        and spec.engine == EngineKind.BATCHPILOT
-    )
 
 
 def _pods_text(pods: Sequence[str]) -> str:
@@ -132,37 +115,21 @@ class Canaries:
 
     # ---- the run --------------------------------------------------------------------------------------
 
-    def screen(self, record: ProfileRecord, decision: policy_mod.Decision, now_s: float) -> policy_mod.Decision:
-        """``decision``, or a hold (with the policy's memory as it was) when it proposes the window a canary
-        rolled back less than :data:`REJECT_HOLD_INTERVALS` intervals ago."""
-        rejected = record.canary.rejected
-        if not decision.changed or rejected is None or now_s >= record.canary.rejected_until_s:
-            return decision
-        if not decision.window.fields_equal(rejected):
-            return decision
-        reason = (
-            f"Holding: {decision.window.describe()} was rolled back by its canary; not tried again before "
-            f"{rfc3339(record.canary.rejected_until_s)}."
-        )
-        return policy_mod.Decision(record.loop.window or decision.window, "hold", reason, record.memory.policy_state)
-
-    def start(self, record: ProfileRecord, window: Window, pods: Sequence[PodRecord], now_s: float) -> bool:
-        """Start a canary of ``window`` on a share of the Ready ``pods``; False when there is no pod to try it
-        on (the window then goes in force at once, as without a canary)."""
-        spec, previous = record.spec, record.loop.window
-        if not wanted(spec) or previous is None or spec is None:
-            return False
-        chosen = choose_pods(record.ref.key, [p.key for p in pods if p.ready], spec.tuning.canary.share)
-        if not chosen:
-            return False
-        record.canary.run = CanaryRun(window=window, previous=previous, pods=chosen, started_s=now_s)
+    def start(
+        self, record: ProfileRecord, window: Window, chosen: Sequence[str], pods: Sequence[PodRecord], now_s: float
+    ) -> None:
+        """Start a canary of ``window`` on the ``chosen`` pods (the plan's, among the Ready ``pods``); the
+        window in force stays the baseline's."""
+        previous = record.loop.window
+        if previous is None:
+            raise ValueError(f"profile {record.ref.key} has no window in force to run a canary beside")
+        record.canary.run = CanaryRun(window=window, previous=previous, pods=tuple(chosen), started_s=now_s)
         reason = f"{window.describe()} on {len(chosen)} of {sum(p.ready for p in pods)} pods first"
         record.canary.last = CanaryStatus(
             window=window, pods=[k.split("/", 1)[-1] for k in chosen], started_at=rfc3339(now_s),
             verdict="running", reason=reason,
         )  # fmt: skip
         self._queue_event(record, "Normal", "CanaryStarted", f"{reason}: {_pods_text(chosen)}")
-        return True
 
     def adopt(self, record: ProfileRecord, status: Mapping[str, Any] | None) -> None:
         """A profile adopted with the status an earlier operator wrote: a canary it left running ends here,
@@ -189,32 +156,32 @@ class Canaries:
         are sent the window in force; holding a newer generation, they answer with a conflict, and the loop
         numbers the window past it (as after any conflict)."""
         run = record.canary.run
-        if run is None or wanted(record.spec):
+        if run is None or canary_wanted(record.spec):
             return
         record.canary.run = None
         self._report(record, Step(run, "rolledBack", "tuning.canary was switched off, or the mode or engine changed"))
 
-    def evaluate(self, record: ProfileRecord, pods: Sequence[PodRecord], now_s: float) -> Evaluation:
+    def evaluate(self, record: ProfileRecord, pods: Sequence[PodRecord], now_s: float) -> CanaryEvaluation:
         """Judge the canary in progress on this tick's per-pod metrics; nothing when none runs."""
         run, spec = record.canary.run, record.spec
         if run is None or spec is None:
-            return Evaluation()
+            return CanaryEvaluation()
         step = self._step(record, run, spec, pods, now_s)
         if step.state == "running":
             record.canary.run = step.run
             self._report(record, step)
-            return Evaluation(
+            return CanaryEvaluation(
                 hold_reason=f"Holding while the canary of generation {run.window.generation} runs on "
                 f"{_pods_text(step.run.pods)}."
             )
         record.canary.run = None
         self._report(record, step)
         if step.state == "promoted":
-            return Evaluation(f"Canary promoted: {step.reason}.", ended=run.window)
+            return CanaryEvaluation(f"Canary promoted: {step.reason}.", ended=run.window)
         record.canary.rejected = run.window
         record.canary.rejected_until_s = now_s + REJECT_HOLD_INTERVALS * spec.tuning.interval_seconds
         back = record.loop.window if record.loop.window is not None else run.previous
-        return Evaluation(f"Canary rolled back: {step.reason}.", ended=back, past=run.window.generation)
+        return CanaryEvaluation(f"Canary rolled back: {step.reason}.", ended=back, past=run.window.generation)
 
     def _step(
         self, record: ProfileRecord, run: CanaryRun, spec: BatchProfileSpec, pods: Sequence[PodRecord], now_s: float
@@ -264,13 +231,3 @@ class Canaries:
         elif state == "rolledBack":
             self._queue_event(record, "Warning", "CanaryRolledBack", f"{window} rolled back: {step.reason}")
             log.info("canary of %s rolled back: %s", record.ref.key, step.reason)
-
-    def assignments(
-        self, record: ProfileRecord, pods: Sequence[PodRecord], window: Window
-    ) -> list[tuple[list[PodRecord], Window]]:
-        """Which pods get which window: the canary pods the canary's while it runs, the rest ``window``."""
-        run = record.canary.run
-        if run is None or not wanted(record.spec):  # a canary the spec no longer wants ends at its next decision
-            return [(list(pods), window)]
-        canary = [p for p in pods if p.key in run.pods]
-        return [([p for p in pods if p.key not in run.pods], window), (canary, run.window)]

@@ -8,15 +8,17 @@ loop for all profiles:
 1. pick the profiles whose interval is due (intervals are aligned on one grid,
    so profiles with the same interval are evaluated on the same tick and the
    grouped queries run once per interval, however many profiles there are);
-2. collect every due model's metrics from the source in one call;
-3. decide per profile and mode (adaptive: the policy; recommend: the policy,
-   reported only; static: the spec's window); a window that changed goes to
+2. collect every due model's metrics from the source in one call (:mod:`.collect`);
+3. plan per profile (:func:`.plan.plan`, by mode: adaptive: the policy, or its
+   canary; recommend and restart: the policy, reported only; static: the spec's
+   window) and apply the plan to the record; a window that changed goes to
    status at once, with the policy's memory that chose it and the canary that
    tries it (written ahead of the push, so that an operator killed before step 5
    leaves a status its successor continues from: one more patch per window
    change, none per tick);
 4. sync every ready pod of the due profiles (and of profiles with a pending
-   push) to the window in force, concurrently;
+   push) to the window in force, concurrently, each by its mode's and engine's
+   path (:mod:`.sync_paths`);
 5. build each profile's status, patch it when it changed, post Events, update
    the operator's own metrics.
 
@@ -30,49 +32,44 @@ tick goes on for the others. Every outbound call has a deadline and a body cap
 only. A status patch that fails leaves the last-written status as it was, so the
 next tick's patch carries every field again.
 
-The jobs are split: :mod:`.registry` knows what exists and which pods a profile selects, :mod:`.syncer`
-pushes and records results, :mod:`.conditions` and :mod:`.facts` derive the status as pure functions,
-:mod:`.export` sets the operator's own metrics. This module is the loop; it alone assigns window generations
-(:meth:`Controller._number`), apart from the policy's own decisions (a changed window is one past the last).
+The jobs are split: :mod:`.registry` knows what exists and which pods a profile selects, :mod:`.collect`
+gathers the tick's metrics, :mod:`.plan` decides each profile's tick as a pure function (and alone numbers
+windows), :mod:`.sync_paths` brings the pods to the window by each mode's and engine's path (:mod:`.syncer`
+pushes and records results), :mod:`.conditions` and :mod:`.facts` derive the status as pure functions,
+:mod:`.export` sets the operator's own metrics. This module is the loop and the wiring: one profile's tick is
+:meth:`Controller._decide` (observe, evaluate the canary, :func:`.plan.plan`, :meth:`Controller._apply`,
+announce), then :meth:`Controller._sync_profile_isolated` (:meth:`.sync_paths.SyncPaths.sync`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from batchpilot_operator.api.profile import (
-    RECOMMENDING,
-    BatchProfileSpec,
-    EngineKind,
-    Friendliness,
-    ProfileError,
-    TuningMode,
-    parse_spec,
-)
+from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, ProfileError, TuningMode, parse_spec
 from batchpilot_operator.control import conditions
-from batchpilot_operator.control.canary import Canaries, metrics_url
+from batchpilot_operator.control.canary import Canaries
+from batchpilot_operator.control.collect import collect
 from batchpilot_operator.control.events import Events, announce
-from batchpilot_operator.control.facts import pods_window, status_facts
+from batchpilot_operator.control.facts import status_facts
+from batchpilot_operator.control.plan import CanaryEvaluation, Plan, plan, starting_window, window_for_spec
 from batchpilot_operator.control.records import (
     MetricsSource,
     PodRecord,
     ProfileRecord,
     ProfileRef,
-    Settings,
     Sink,
     TickReport,
     lanes_of,
-    numbered,
-    window_from_status,
+    read_status_window,
 )
 from batchpilot_operator.control.registry import Registry
 from batchpilot_operator.control.restart import RestartPath, Workloads
+from batchpilot_operator.control.settings import Settings
 from batchpilot_operator.control.sglang_sync import SGLangSync
 from batchpilot_operator.control.status import (
     UNKNOWN,
@@ -80,10 +77,11 @@ from batchpilot_operator.control.status import (
     StatusFacts,
 )
 from batchpilot_operator.control.status_writer import StatusWriter
-from batchpilot_operator.control.syncer import Syncer, newest_conflict
-from batchpilot_operator.io.observe import MetricsUnavailable, ModelKey, ModelMetrics, lookup, to_observations
+from batchpilot_operator.control.sync_paths import SyncPaths
+from batchpilot_operator.control.syncer import Syncer
+from batchpilot_operator.io.observe import ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.io.opmetrics import OperatorMetrics
-from batchpilot_operator.io.push import CONFLICT, ERROR, OK, AdminClient, PushResult
+from batchpilot_operator.io.push import ERROR, OK, AdminClient
 from batchpilot_operator.io.sglang import SGLangClient
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning import policy_memo
@@ -91,10 +89,6 @@ from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
-
-
-# Engines whose pods answer the admin API: batchpilot's runtime, and the gate in front of llama-server.
-ADMIN_API_ENGINES = frozenset({EngineKind.BATCHPILOT, EngineKind.LLAMACPP})
 
 
 class Controller:
@@ -129,6 +123,7 @@ class Controller:
         self.sglang = SGLangSync(sglang or SGLangClient(timeout_s=admin.timeout_s))
         self.restart = RestartPath(workloads, self._queue_event)  # tuning.mode restart (control/restart.py)
         self.canaries = Canaries(self._queue_event)
+        self.sync_paths = SyncPaths(self.syncer, self.sglang, self.restart, self.pods_of, wall_clock)
         # Looked up at call time (not bound now): a replaced ``facts`` (tests, subclasses) is the one used.
         self.status_writer = StatusWriter(
             sink, self.metrics, lambda record: self.facts(record), self.restart.status_of, self._queue_event
@@ -181,34 +176,39 @@ class Controller:
             parsed, error = None, str(problem)
         record = self.profiles.get(ref.key)
         old_index_key = self.registry.index_key(record) if record is not None else None
+        old_spec = record.spec if record is not None else None
         if record is None:
             record = ProfileRecord(ref=ref, generation=generation, spec=parsed, error=error)
             record.status.written = dict(status or {})
             # Adopted from an earlier operator's status: its window in force (and generation), its policy's
             # memory (the cooldown included), and the end of any canary it left running.
-            record.loop.window = window_from_status(status)
+            record.loop.window = self._window_from_status(ref, status)
             record.loop.adopted_generation = record.loop.window.generation if record.loop.window else None
             record.memory.policy_state = self._policy_from_status(ref, status, parsed, generation)
             self.canaries.adopt(record, status)
         else:
-            old_spec = record.spec
             record.ref, record.generation, record.spec, record.error = ref, generation, parsed, error
             if status is not None:
                 record.status.written = dict(status)
-            if parsed is not None and old_spec is not None and parsed.window != old_spec.window:
-                record.loop.window = None  # a new starting window: reset to it on the next push
-            if parsed is not None and old_spec is not None and parsed.lanes != old_spec.lanes and record.loop.window:
-                self._number(record, record.loop.window, past=record.loop.window.generation)
             if parsed is not None and parsed != old_spec:
                 # The same rule as for a memory restored across a spec change: a restart changes nothing.
                 record.memory.policy_state = policy_memo.carry_over(record.memory.policy_state, parsed)
         if parsed is not None:
-            self._ensure_window(record)
+            record.loop.window = window_for_spec(parsed, old_spec, record.loop.window, record.status.written)
         self.registry.put_profile(record, old_index_key)
         record.loop.push_pending = True
         self.metrics.profiles_managed.set(len(self.profiles))
         self._wake.set()
         return record
+
+    @staticmethod
+    def _window_from_status(ref: ProfileRef, status: Mapping[str, Any] | None) -> Window | None:
+        """The window in force kept in status by an earlier operator; one that does not validate is dropped,
+        and the log says what was wrong with it (the spec's window is then numbered past none)."""
+        read = read_status_window(status)
+        if read.problem is not None:
+            log.warning("profile %s: window in status not used: %s", ref.key, read.problem)
+        return read.window
 
     def _policy_from_status(
         self, ref: ProfileRef, status: Mapping[str, Any] | None, spec: BatchProfileSpec | None, generation: int | None
@@ -237,9 +237,7 @@ class Controller:
             return []
         matching = self.registry.profiles_selecting(pod)
         for record in matching:
-            record.sync.pod_states.pop(pod.key, None)
-            record.sync.refused.pop(pod.key, None)
-            record.sync.applied.pop(pod.key, None)
+            record.sync.forget(pod.key)
         return matching
 
     def remove_pod(self, namespace: str, name: str) -> None:
@@ -247,50 +245,18 @@ class Controller:
         if pod is None:
             return
         for record in self.profiles.values():
-            record.sync.pod_states.pop(pod.key, None)
-            record.sync.pod_errors.pop(pod.key, None)
-            record.sync.refused.pop(pod.key, None)
+            record.sync.forget(pod.key)
 
     def pods_of(self, record: ProfileRecord) -> list[PodRecord]:
         """The profile's pods, sorted (see :meth:`Registry.pods_of`)."""
         return self.registry.pods_of(record)
 
-    # ---- windows: the one place generations are chosen ----------------------------------------------
-
     @staticmethod
-    def _number(record: ProfileRecord, window: Window, *, past: int | None) -> Window:
-        """Put ``window`` in force, numbered one past generation ``past`` (1 when there is none)."""
-        record.loop.window = numbered(window, past=past)
-        return record.loop.window
-
-    @staticmethod
-    def _numbered(decision: policy_mod.Decision, in_force: Window) -> policy_mod.Decision:
-        """A changed decision's window numbered past the one in force: what is pushed, recommended and
-        announced carries the generation it would go out with."""
-        if not decision.changed:
-            return decision
-        return dataclasses.replace(decision, window=numbered(decision.window, past=in_force.generation))
-
-    def _ensure_window(self, record: ProfileRecord) -> None:
-        """Static mode: the spec's window, renumbered when its fields change. Otherwise the spec's window when
-        none is in force, numbered past the one last written to status.
-
-        A spec whose window changed clears the one in force (upsert_profile); in static mode too the new one is
-        then numbered past the window last written to status, never from 1 again: the pods run that generation,
-        and a runtime keeps the window it has for a generation it already holds."""
-        spec = record.spec
-        if spec is None:
-            return
-        if spec.mode == TuningMode.STATIC:
-            current = record.loop.window or window_from_status(record.status.written)
-            if current is not None and current.fields_equal(spec.window):
-                record.loop.window = current
-            else:
-                self._number(record, Window.from_fields(spec.window, 1), past=current.generation if current else None)
-            return
-        if record.loop.window is None:
-            previous = window_from_status(record.status.written)
-            self._number(record, Window.from_fields(spec.window, 1), past=previous.generation if previous else None)
+    def _ensure_window(record: ProfileRecord) -> None:
+        """Put the spec's starting window in force where none is, or (static mode) where its fields changed
+        (:func:`.plan.starting_window`)."""
+        if record.spec is not None:
+            record.loop.window = starting_window(record.spec, record.loop.window, record.status.written)
 
     def _interval_s(self, record: ProfileRecord) -> float:
         if self.settings.interval_override_s is not None:
@@ -349,7 +315,9 @@ class Controller:
                 due.append(record)
 
         # 2. One collection for every due model.
-        metrics, report.metrics_error = await self._collect(due, report)
+        metrics, report.metrics_error = await collect(
+            self.source, due, self.pods_of, self.match_by_model, self.metrics, self._mono, report
+        )
         await self.canaries.collect(self.source, due, self.pods_of, self.match_by_model)
 
         # 3. Decide.
@@ -390,44 +358,6 @@ class Controller:
         self.last_report = report
         return report
 
-    async def _collect(
-        self, due: Sequence[ProfileRecord], report: TickReport
-    ) -> tuple[dict[ModelKey, ModelMetrics], str | None]:
-        """Every due model's metrics from the source in one call, or why there are none."""
-        if not due:
-            return {}, None
-        if self.source is None:
-            return {}, "no metric source configured"
-        targets: dict[ModelKey, list[str]] = {}
-        for record in due:
-            urls = [
-                url
-                for p in self.pods_of(record)
-                if p.ready
-                for url in (metrics_url(p, record.spec), p.engine_metrics_url)  # type: ignore[arg-type]
-                if url is not None
-            ]
-            key = (record.ref.namespace if not self.match_by_model else "", record.spec.model)  # type: ignore[union-attr]
-            targets.setdefault(key, []).extend(urls)
-        metrics: dict[ModelKey, ModelMetrics] = {}
-        metrics_error: str | None = None
-        collect_started = self._mono()
-        try:
-            engines = sorted({record.spec.engine.value for record in due if record.spec is not None})
-            # batchpilot alone is every source's default: sources that know no other engine need not take it.
-            metrics = await (
-                self.source.collect(targets) if engines == ["batchpilot"] else self.source.collect(targets, engines)
-            )
-        except MetricsUnavailable as error:
-            metrics_error = str(error)
-            self.metrics.query_errors.labels(query="all").inc()
-        except Exception as error:  # a source bug must not stop the loop
-            metrics_error = f"{type(error).__name__}: {error}"
-            self.metrics.query_errors.labels(query="all").inc()
-        self.metrics.query_seconds.labels(query="all").observe(self._mono() - collect_started)
-        report.queries = getattr(getattr(self.source, "last_stats", None), "queries", 0)
-        return metrics, metrics_error
-
     def _decide(
         self,
         record: ProfileRecord,
@@ -436,9 +366,36 @@ class Controller:
         now_s: float,
         report: TickReport,
     ) -> None:
+        """One due profile's tick: observe, evaluate its canary, plan (:func:`.plan.plan`), apply, announce."""
         spec = record.spec
         if spec is None:
             return
+        obs = self._observe(record, spec, metrics, metrics_error, now_s)
+        self._ensure_window(record)
+        self.canaries.report_restart(record)
+        self.canaries.drop_unwanted(record)
+        if record.loop.window is None:
+            return
+        pods = self.pods_of(record)
+        canary = CanaryEvaluation()
+        if spec.mode == TuningMode.ADAPTIVE:  # while a canary runs the policy holds: judge it first
+            canary = self.canaries.evaluate(record, pods, now_s)
+        planned = plan(record, obs, now_s, canary, [p.key for p in pods if p.ready])
+        self._apply(record, planned, pods, now_s, report)
+        decision = planned.decision
+        if decision.friendliness is not None and spec.batch_friendliness == Friendliness.AUTO:
+            record.memory.friendliness = decision.friendliness.to_status()
+        announce(record, spec, decision, now_s, self.metrics, self.on_decision, self._queue_event)
+
+    def _observe(
+        self,
+        record: ProfileRecord,
+        spec: BatchProfileSpec,
+        metrics: Mapping[ModelKey, ModelMetrics],
+        metrics_error: str | None,
+        now_s: float,
+    ) -> Observations:
+        """The profile's observations this tick, kept on its record with the MetricsAvailable fact."""
         latency_metric = spec.slo.latency_metric.value
         namespace = "" if self.match_by_model else record.ref.namespace
         model_metrics = None if metrics_error else lookup(metrics, namespace, spec.model)
@@ -453,64 +410,20 @@ class Controller:
             namespace=record.ref.namespace,
             latency_metric=latency_metric,
         )
-        self._ensure_window(record)
-        self.canaries.report_restart(record)
-        self.canaries.drop_unwanted(record)
-        window = record.loop.window
-        if window is None:
-            return
-        if spec.mode == TuningMode.STATIC:
-            decision = policy_mod.Decision(
-                window, "hold", "Static mode: the spec's window is pushed as it is.", record.memory.policy_state
-            )
-        elif spec.mode in RECOMMENDING:  # restart mode: the window in force is what the workload runs
-            in_force = pods_window(record) or window
-            decision = self._numbered(
-                policy_mod.decide(spec, in_force, obs, record.memory.policy_state, now_s), in_force
-            )
-            record.memory.policy_state = decision.state
-            record.memory.recommended = decision.window if decision.changed else None
-        else:
-            decision = self._decide_adaptive(record, spec, window, obs, now_s, report)
-        if decision.friendliness is not None and spec.batch_friendliness == Friendliness.AUTO:
-            record.memory.friendliness = decision.friendliness.to_status()
-        announce(record, spec, decision, now_s, self.metrics, self.on_decision, self._queue_event)
+        return obs
 
-    def _decide_adaptive(
-        self,
-        record: ProfileRecord,
-        spec: BatchProfileSpec,
-        window: Window,
-        obs: Observations,
-        now_s: float,
-        report: TickReport,
-    ) -> policy_mod.Decision:
-        """Adaptive mode: the policy's decision, put in force on every pod or (tuning.canary) on the canary
-        pods first; while a canary runs the policy holds, and a canary that ends puts its outcome in force."""
-        pods = self.pods_of(record)
-        canary = self.canaries.evaluate(record, pods, now_s)
-        if canary.ended is not None:
-            if canary.past is None:
-                record.loop.window = canary.ended  # promoted: numbered when its canary started
-            else:
-                self._number(record, canary.ended, past=canary.past)  # rolled back: past the canary's generation
-            record.loop.push_pending = True
-            report.changed += 1
-        if canary.hold_reason is not None:
-            return policy_mod.Decision(
-                record.loop.window or window, "hold", canary.hold_reason, record.memory.policy_state
-            )
-        decision = self.canaries.screen(
-            record, policy_mod.decide(spec, window, obs, record.memory.policy_state, now_s), now_s
-        )
-        decision = self._numbered(decision, window)
-        record.memory.policy_state = decision.state
-        if decision.changed:
-            if not self.canaries.start(record, decision.window, pods, now_s):
-                record.loop.window = decision.window
-            record.loop.push_pending = True
-            report.changed += 1
-        return decision
+    def _apply(
+        self, record: ProfileRecord, planned: Plan, pods: Sequence[PodRecord], now_s: float, report: TickReport
+    ) -> None:
+        """Put ``planned`` on the record: the window in force, the policy's memory, the recommendation, the
+        canary it starts. The pods follow in the tick's step 4 (every due profile is synced)."""
+        if planned.canary_pods:
+            self.canaries.start(record, planned.decision.window, planned.canary_pods, pods, now_s)
+        record.loop.window = planned.window
+        record.memory.policy_state = planned.decision.state
+        if planned.recommends:
+            record.memory.recommended = planned.recommended
+        report.changed += planned.changed
 
     # ---- pushes -------------------------------------------------------------------------------------
 
@@ -519,18 +432,21 @@ class Controller:
         await asyncio.gather(*(self._sync_profile_isolated(r, report) for r in records))
 
     async def _sync_profile_isolated(self, record: ProfileRecord, report: TickReport) -> None:
+        """One profile's sync path (:meth:`.sync_paths.SyncPaths.sync`); its push is no longer pending
+        however it ended (a failed one is tried again at the next due tick)."""
         try:
-            await self._sync_profile(record, report)
+            await self.sync_paths.sync(record, report)
         except Exception as error:  # a bug in one profile's sync: its status says so, the others go on
             log.exception("sync of %s failed", record.ref.key)
             text = f"{type(error).__name__}: {error}"
             report.push_failures += 1
-            record.loop.push_pending = False  # the next due tick tries again, as after a failed push
             if record.sync.error != text:  # one Event per new error, not one per tick
                 self._queue_event(record, "Warning", "PushFailed", f"sync failed: {text}")
             record.sync.error = text
         else:
             record.sync.error = None
+        finally:
+            record.loop.push_pending = False
 
     async def sync_now(self, records: Sequence[ProfileRecord]) -> None:
         """Push at once (a pod just became Ready), outside the interval."""
@@ -538,43 +454,6 @@ class Controller:
             report = TickReport()
             await self._sync_profiles(records, report)
             await self._write_statuses(records, self._wall(), report)
-
-    async def _sync_profile(self, record: ProfileRecord, report: TickReport) -> None:
-        spec, window = record.spec, record.loop.window
-        if spec is not None and window is not None and spec.mode == TuningMode.RESTART:
-            await self.restart.sync(record, self._wall())
-            record.loop.push_pending = False
-            return
-        if spec is None or window is None or spec.mode == TuningMode.RECOMMEND:
-            if spec is not None and spec.mode == TuningMode.RECOMMEND and spec.engine in ADMIN_API_ENGINES:
-                # batchpilot's runtime and the gate answer GET /admin/window: other engines' pods are not read.
-                await self.syncer.read_pods(record, self.pods_of(record))
-            record.loop.push_pending = False
-            return
-        pods = [p for p in self.pods_of(record) if p.ready]
-        if spec.engine == EngineKind.SGLANG:
-            # SGLang has no window: its cap and budget go through /set_internal_state (control/sglang_sync.py).
-            await self.sglang.sync(record, pods, window)
-            record.loop.push_pending = False
-            return
-        results: list[PushResult] = []
-        not_sent: list[PushResult] = []
-        for group, group_window in self.canaries.assignments(record, pods, window):  # canary pods: its window
-            sent, withheld = await self.syncer.push(record, group, group_window)
-            results.extend(sent)
-            not_sent.extend(withheld)
-        newest = newest_conflict(results)
-        if newest is not None and newest >= window.generation:
-            # Some pod holds a newer generation (an earlier operator, a lost status): move past it, push again.
-            renumbered = self._number(record, window, past=newest)
-            retry_names = {r.pod for r in results if r.outcome == CONFLICT}
-            retried = await self.syncer.repush(record, [p for p in pods if p.key in retry_names], renumbered)
-            results = [r for r in results if r.pod not in retry_names] + retried
-        for result in results + not_sent:
-            self.syncer.account(record, result, report)
-        # Failed pods are not retried before the next interval (sync already retried with backoff);
-        # being level-triggered, the next due tick finds them behind and pushes again.
-        record.loop.push_pending = False
 
     # ---- status and events --------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The values the controller keeps: settings, profile and pod records, the tick's report, and the
-protocols of its metric source and sink. No behaviour beyond small derived properties."""
+"""The values the controller keeps: profile and pod records, the tick's report, and the protocols of its
+metric source and sink (its settings are in :mod:`batchpilot_operator.control.settings`). No behaviour
+beyond small derived properties and reading a window back from status."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from batchpilot_operator.api.canary import CanaryStatus
-from batchpilot_operator.api.profile import BatchProfileSpec
+from batchpilot_operator.api.profile import BatchProfileSpec, format_validation_error
 from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
 from batchpilot_operator.control.status import ConditionFact
@@ -18,31 +21,6 @@ from batchpilot_operator.tuning.canary import CanaryRun
 from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState
 from batchpilot_runtime.contract.window import Window
-
-
-def numbered(window: Window, *, past: int | None) -> Window:
-    """``window`` numbered one past generation ``past`` (1 when there is none). The control loop numbers
-    every window it puts in force (or tries on a canary); the policy never does."""
-    return window.with_generation((past or 0) + 1)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Operator settings. ``interval_override_s`` replaces every profile's intervalSeconds (tests use
-    sub-5-second intervals through it; the resource itself allows 5 s at least)."""
-
-    tick_s: float = 1.0
-    interval_override_s: float | None = None
-    scrape_interval_s: float = 15.0
-    default_token: str | None = None
-    # The namespaces whose pods may receive default_token (the operator's own, fleet-wide token); a pod
-    # elsewhere gets only its profile's Secret, or no request. Empty: default_token goes to no pod.
-    default_token_namespaces: frozenset[str] = frozenset()
-    stuck_after_s: float = 120.0  # liveness fails when no tick finished for this long
-    max_events_per_tick: int = 200  # a flood guard: 1,000 failing profiles must not DoS the API server
-    # A pod known to run the window in force is read back at most this often (0: every interval). Restarts
-    # are caught sooner anyway in kopf mode: a restarted pod turns Ready again and is pushed at once.
-    resync_s: float = 0.0
 
 
 class MetricsSource(Protocol):
@@ -100,12 +78,13 @@ class PodRecord:
 
 @dataclass
 class LoopState:
-    """What the loop keeps of a profile between ticks. The loop alone writes these, and alone numbers
-    the windows it puts in force (``Controller._number``, apart from the policy's own decisions)."""
+    """What the loop keeps of a profile between ticks. Every window put in force here is numbered in
+    control/plan.py; ``push_pending`` is set by :meth:`Controller.upsert_profile` and cleared once the
+    profile's sync ran (``Controller._sync_profile_isolated``)."""
 
     window: Window | None = None  # the window in force: pushed, or to be pushed
     last_slot: int | None = None  # the interval slot, floor(tick start / interval), last evaluated
-    push_pending: bool = True  # push on the next tick, due or not: a new profile, a new spec, a new window
+    push_pending: bool = True  # push on the next tick, due or not: a new profile or a new spec
     # The generation of the window read back from status when the profile was adopted (an earlier operator
     # put it in force): a pod not seen yet is read before it is written, since it most likely holds it.
     adopted_generation: int | None = None
@@ -123,6 +102,13 @@ class PodSync:
     # Engines without a window (SGLang): the generation whose settings each pod was last found holding.
     applied: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # what the last sync of this profile raised (a bug), None when it ran through
+
+    def forget(self, pod: str) -> None:
+        """Drop all that is known of pod ``pod`` (a pod key): it went away, or it became Ready again (a
+        restart, a new IP), so what it ran, refused, failed with or clamped is no longer known; its next
+        push finds out again."""
+        for per_pod in (self.pod_states, self.pod_errors, self.refused, self.clamped, self.verified_s, self.applied):
+            per_pod.pop(pod, None)
 
 
 @dataclass
@@ -217,11 +203,31 @@ def lanes_of(spec: BatchProfileSpec, generation: int) -> list[LaneWindow] | None
     ]
 
 
-def window_from_status(status: Mapping[str, Any] | None) -> Window | None:
-    if not status or not isinstance(status.get("window"), Mapping):
-        return None
+@dataclass(frozen=True)
+class StatusWindow:
+    """status.window as an earlier operator wrote it: the window, or None with ``problem`` saying why one
+    that is there cannot be used (None when status has no window at all)."""
+
+    window: Window | None
+    problem: str | None = None
+
+
+def read_status_window(status: Mapping[str, Any] | None) -> StatusWindow:
+    """status.window, validated; a window that does not validate is dropped, and ``problem`` names what
+    was wrong with it, field by field."""
+    written = status.get("window") if status else None
+    if written is None:
+        return StatusWindow(None)
+    if not isinstance(written, Mapping):
+        return StatusWindow(None, f"status.window is a {type(written).__name__}, not an object")
     try:
-        raw = {k: v for k, v in status["window"].items() if k != "appliedAt"}
-        return Window.model_validate(raw)
-    except Exception:
-        return None
+        return StatusWindow(Window.model_validate({k: v for k, v in written.items() if k != "appliedAt"}))
+    except ValidationError as error:
+        return StatusWindow(None, format_validation_error(error, "status.window"))
+    except Exception as error:  # whatever else a hand-edited status holds must not stop the adoption
+        return StatusWindow(None, f"status.window: {type(error).__name__}: {error}")
+
+
+def window_from_status(status: Mapping[str, Any] | None) -> Window | None:
+    """status.window, None when there is none or it does not validate (:func:`read_status_window` says why)."""
+    return read_status_window(status).window

@@ -22,7 +22,8 @@ from batchpilot_operator.api.restart import RestartBudget, RestartStatus
 from batchpilot_operator.api.status import PodsStatus
 from batchpilot_operator.control.conditions import ready_fact
 from batchpilot_operator.control.engine_knobs import llamacpp_flags, sglang_server_args, vllm_args
-from batchpilot_operator.control.records import ProfileRecord, numbered
+from batchpilot_operator.control.plan import followed
+from batchpilot_operator.control.records import ProfileRecord
 from batchpilot_operator.control.restart_plan import (
     DAY_S,
     LLAMACPP_ALIASES,
@@ -282,11 +283,8 @@ class RestartPath:
 
     @staticmethod
     def _follow(record: ProfileRecord, spec: BatchProfileSpec, running: Mapping[str, int]) -> None:
-        """The window in force becomes what the workload runs, numbered past the last one when it changed."""
-        window = running_window(spec, running, spec.engine)
-        current = record.loop.window
-        if window is not None and (current is None or not current.fields_equal(window)):
-            record.loop.window = numbered(window, past=current.generation if current else None)
+        """The window in force becomes what the workload runs (numbered by :func:`~.plan.followed`)."""
+        record.loop.window = followed(record.loop.window, running_window(spec, running, spec.engine))
 
     async def _restart(
         self,

@@ -15,7 +15,8 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 
 from batchpilot_operator.control.conditions import PodFailure
-from batchpilot_operator.control.records import PodRecord, ProfileRecord, Settings, Sink, TickReport, lanes_of
+from batchpilot_operator.control.records import PodRecord, ProfileRecord, Sink, TickReport, lanes_of
+from batchpilot_operator.control.settings import Settings
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.outbound import base_url
 from batchpilot_operator.io.push import CONFLICT, REFUSED, UNAUTHORIZED, AdminClient, PodTarget, PushFailed, PushResult

@@ -44,14 +44,13 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import kopf
 
 from batchpilot_operator import GROUP, PLURAL, VERSION
 from batchpilot_operator.control.controller import Controller, PodRecord, Settings
+from batchpilot_operator.frontends.run_options import RunOptions as RunOptions  # named here by its tests
 from batchpilot_operator.io.kube import KubeClient, KubeConfig, KubeError, KubeSink, load_kube_config
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.push import AdminClient
@@ -59,40 +58,6 @@ from batchpilot_operator.io.push import AdminClient
 log = logging.getLogger("batchpilot.operator")
 
 ANNOTATION_PREFIX = "batchpilot.dev"
-
-
-@dataclass
-class RunOptions:
-    kubeconfig: Path | None = None
-    context: str | None = None
-    namespaces: list[str] = field(default_factory=list)  # empty = all namespaces
-    prometheus_url: str | None = None
-    scrape_interval_s: float = 15.0
-    query_timeout_s: float = 5.0
-    admin_token_file: Path | None = None
-    # Namespaces whose pods may receive the admin_token_file token. Empty: the watched namespaces, or, when
-    # watching all namespaces, the operator's own (where a chart install keeps that token and its runtimes).
-    admin_token_namespaces: list[str] = field(default_factory=list)
-    pod_labels: dict[str, str] = field(default_factory=dict)
-    metrics_port: int = 9090
-    liveness: str | None = "http://0.0.0.0:8080/healthz"
-    peering: str = "auto"  # auto | off | required
-    peering_name: str = "batchpilot"
-    priority: int | None = None  # None: the start time, so that a newer replica takes over
-    peering_lifetime_s: int = 60
-    peering_check_s: float = 1.0
-    tick_s: float = 1.0
-    interval_override_s: float | None = None
-    push_timeout_s: float = 2.0
-    push_retries: int = 3
-    push_concurrency: int = 64
-    resync_s: float = 0.0
-    watch_server_timeout_s: int = 300
-    watch_client_timeout_s: float = 330.0
-    watch_inactivity_timeout_s: float = 70.0
-    watch_check_s: float = 60.0
-    stuck_after_s: float = 120.0
-    verbose: bool = False
 
 
 def _pod_record(body: Mapping[str, Any]) -> PodRecord:
