@@ -51,7 +51,8 @@ PURE_MODULES = (
 )
 # The controller's core beside its loop: what exists, the conditions and the status facts do no I/O either.
 CONTROL_CORE_MODULES = (
-    "batchpilot_operator.control.records,batchpilot_operator.control.registry,"
+    "batchpilot_operator.control.records,batchpilot_operator.control.registry,batchpilot_operator.control.plan,"
+    "batchpilot_operator.control.settings,"
     "batchpilot_operator.control.conditions,batchpilot_operator.control.facts,batchpilot_operator.io.outcomes"
 )
 # batchpilot-gate runs as a sidecar beside an engine: no torch, no model, no tokenizer, no chat templates.
