@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot_operator.tuning.budget import excused_gap_share, gap_payback
-from batchpilot_operator.tuning.moves import DEFAULT_CONFIG
+from batchpilot_operator.tuning.config import DEFAULT_CONFIG
 from batchpilot_operator.tuning.observations import share_above
 from batchpilot_operator.tuning.policy import PolicyState, decide
 from tests.support.factories import make_observations

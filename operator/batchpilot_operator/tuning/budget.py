@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, LatencyMetric
+from batchpilot_operator.tuning.config import PolicyConfig
 from batchpilot_operator.tuning.limits import limit_size
-from batchpilot_operator.tuning.moves import PolicyConfig, itl_ratio
 from batchpilot_operator.tuning.observations import Observations, known, share_above
+from batchpilot_operator.tuning.reading import itl_ratio
 from batchpilot_runtime.contract.window import Window
 
 
@@ -135,7 +136,7 @@ def unexplained_by_budget(spec: BatchProfileSpec, obs: Observations, budget: int
     ``Observations.prefill_s_per_token``. When what is left without the prompt part is still over the
     setpoint, no cut brings the gaps under it, and a cut only makes first tokens wait (a demo run beside
     a busy CPU: gaps of 212 ms at a budget of 355 tokens, cut to 229, and first tokens at 1.3 s). The
-    cap, not the budget, is then the lever (``moves.cap_move``). False when the cost is unknown."""
+    cap, not the budget, is then the lever (:func:`batchpilot_operator.tuning.cap.cap_move`). False when the cost is unknown."""
     target_ms, per_token_s = spec.slo.inter_token_p99_ms, obs.prefill_s_per_token
     if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
         return False

@@ -1,7 +1,9 @@
 """The tuning policy: (spec, window in force, observations, state, now) -> decision.
 
-:func:`decide` applies the gates and orders the moves; the moves themselves are pure functions in
-:mod:`batchpilot_operator.tuning.moves` (their step limits in :mod:`batchpilot_operator.tuning.limits`),
+:func:`decide` applies the gates and orders the moves; the moves themselves are pure functions, one
+module a lever (:mod:`~batchpilot_operator.tuning.budget`, :mod:`~batchpilot_operator.tuning.cap`,
+:mod:`~batchpilot_operator.tuning.target_wait`), reading one interval through
+:mod:`~batchpilot_operator.tuning.reading` (their step limits in :mod:`batchpilot_operator.tuning.limits`),
 and every reason is rendered from the decision's parts by :mod:`batchpilot_operator.tuning.reasons`.
 
 How it works
@@ -125,10 +127,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, WindowBounds
 from batchpilot_operator.tuning import reasons
 from batchpilot_operator.tuning.budget import budget_move, excused_gap_share, gap_payback, sparse_room_budget
+from batchpilot_operator.tuning.cap import cap_move, memory_move
+from batchpilot_operator.tuning.config import DEFAULT_CONFIG, PolicyConfig
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate, measure, merge_curve
 from batchpilot_operator.tuning.limits import (
     RATIO_MIN_STEP,
@@ -139,25 +144,17 @@ from batchpilot_operator.tuning.limits import (
     clamp_into_bounds,
     lift_ceiling,
 )
-from batchpilot_operator.tuning.moves import (
-    DEFAULT_CONFIG,
-    Direction,
-    PolicyConfig,
+from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.reading import (
     Reading,
     busy_share,
-    cap_move,
-    desired_wait_ms,
-    direction,
     itl_ratio,
     latency_ratio,
-    memory_move,
     read,
     slo_over,
     step_time_s,
-    tail_ratio,
-    target_wait_move,
 )
-from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.target_wait import desired_wait_ms, tail_ratio, target_wait_move
 from batchpilot_runtime.contract.window import Window
 
 __all__ = [
@@ -178,6 +175,9 @@ __all__ = [
     "slo_over",
     "step_time_s",
 ]
+
+
+Direction = Literal["up", "down", "hold", "reset"]
 
 
 @dataclass(frozen=True)
@@ -389,6 +389,21 @@ def _direction(window: Window, fields: Fields, bounds: WindowBounds, reading: Re
     if moved is None:  # only the tail ratio moved
         return "up" if tail > window.tail_mark_ratio else "down"
     return moved
+
+
+def direction(moves: tuple[tuple[int, int], ...], over: bool) -> Direction | None:
+    """ "up" when the window only grows, "down" when it only shrinks; a mixed move (the cap raised
+    for a backlog while target and wait fall for latency) is named by what drives it: "down"
+    while P99 is over the SLO, "up" otherwise. None when no size or wait field moved."""
+    grew = any(new > old for old, new in moves)
+    shrank = any(new < old for old, new in moves)
+    if grew and shrank:
+        return "down" if over else "up"
+    if grew:
+        return "up"
+    if shrank:
+        return "down"
+    return None
 
 
 def _window(window: Window, fields: Fields) -> Window:

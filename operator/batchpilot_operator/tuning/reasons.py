@@ -10,8 +10,11 @@ import math
 
 from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.budget import BudgetMove
-from batchpilot_operator.tuning.moves import CapMove, PolicyConfig, Reading, TargetWaitMove
+from batchpilot_operator.tuning.cap import CapMove
+from batchpilot_operator.tuning.config import PolicyConfig
 from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.reading import Reading
+from batchpilot_operator.tuning.target_wait import TargetWaitMove
 from batchpilot_runtime.contract.window import Window
 
 AT_LIMITS = ", but the window is already at its limits; holding."
