@@ -15,7 +15,7 @@ from batchpilot_operator.tuning.config import DEFAULT_CONFIG
 from batchpilot_operator.tuning.observations import share_above
 from batchpilot_operator.tuning.policy import PolicyState, decide
 from tests.support.factories import make_observations
-from tests.unit.test_policy import itl_spec
+from tests.unit.test_policy_budget import itl_spec
 
 INF = math.inf
 
