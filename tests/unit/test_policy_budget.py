@@ -63,17 +63,17 @@ def test_first_tokens_over_spend_the_gaps_room_at_the_steps_own_cost_per_prompt_
     # 50 us, so the 18 ms left under 98 ms buy 360 tokens: 1360, where a gap read as proportional
     # to the budget (its decodes' part counted as prompt) allows only 1000 x 0.98 / 0.8 = 1225.
     room = make_observations(2.0, itl_p99_s=0.080, prefill_s_per_token=0.00005)
-    assert gap_room_factor(spec, room, 1000, 1.0, 0.8) == pytest.approx(1.4)
-    assert gap_room_factor(spec, room, 1000, 0.95, 0.8) == pytest.approx(1.3)  # a lower aim, less room
+    assert gap_room_factor(spec, room, room.itl_p99_s, 1000, 1.0, 0.8) == pytest.approx(1.4)
+    assert gap_room_factor(spec, room, room.itl_p99_s, 1000, 0.95, 0.8) == pytest.approx(1.3)  # a lower aim, less room
     assert decide(spec, window, room, PolicyState(), 100.0).window.max_prefill_tokens == 1360
     # Without that cost the proportional reading stands.
     unknown = make_observations(2.0, itl_p99_s=0.080)
-    assert gap_room_factor(spec, unknown, 1000, 1.0, 0.8) == pytest.approx(1.0 / 0.8)
+    assert gap_room_factor(spec, unknown, unknown.itl_p99_s, 1000, 1.0, 0.8) == pytest.approx(1.0 / 0.8)
     # 1000 x 0.98 / 0.8 = 1225 in exact arithmetic; the float product floors to 1224.
     assert decide(spec, window, unknown, PolicyState(), 100.0).window.max_prefill_tokens == pytest.approx(1225, abs=1)
     # Gaps at 98 % of their target: no room, no raise however late the first tokens are.
     full = make_observations(2.0, itl_p99_s=0.098, prefill_s_per_token=0.00005)
-    assert gap_room_factor(spec, full, 1000, 0.98, 0.98) == 1.0
+    assert gap_room_factor(spec, full, full.itl_p99_s, 1000, 0.98, 0.98) == 1.0
     assert decide(spec, window, full, PolicyState(), 100.0).window.max_prefill_tokens == 1000
 
 

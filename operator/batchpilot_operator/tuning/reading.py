@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.config import PolicyConfig
+from batchpilot_operator.tuning.error_budget import GapReading
 from batchpilot_operator.tuning.observations import Observations, known
 
 
@@ -27,12 +28,17 @@ def latency_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
 
 def itl_ratio(spec: BatchProfileSpec, obs: Observations) -> float:
     """Inter-token P99 over its target (inf when saturated; NaN without a target or data)."""
+    return gap_ratio(spec, obs.itl_p99_s, obs.itl_p99_saturated)
+
+
+def gap_ratio(spec: BatchProfileSpec, p99_s: float, saturated: bool) -> float:
+    """An inter-token P99 over its target (inf when ``saturated``; NaN without a target or data)."""
     target_ms = spec.slo.inter_token_p99_ms
     if target_ms is None:
         return math.nan
-    if obs.itl_p99_saturated:
+    if saturated:
         return math.inf
-    return obs.itl_p99_s * 1000.0 / target_ms if known(obs.itl_p99_s) else math.nan
+    return p99_s * 1000.0 / target_ms if known(p99_s) else math.nan
 
 
 def slo_over(spec: BatchProfileSpec, obs: Observations) -> bool | None:
@@ -81,7 +87,8 @@ class Reading:
     """One interval's observations as the moves read them (past the data gates)."""
 
     ratio: float  # first-token P99 over its target: inf when saturated, NaN without that objective
-    itl: float  # inter-token P99 over its target, the same way
+    itl: float  # inter-token P99 (as read: ``gaps.p99_s``) over its target, the same way
+    gaps: GapReading  # the inter-token P99 as read, the interval's own, and why they differ
     zone_ratio: float  # what places target and wait in a zone: first tokens, else the gaps
     saturated: bool  # the first-token P99 lies in the top bucket: only a lower bound
     running: float  # mean running batch; NaN when unknown
@@ -102,16 +109,17 @@ class Reading:
         return self.itl > 1.0
 
 
-def read(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> Reading:
-    """The reading of ``obs`` against the spec's SLO."""
+def read(spec: BatchProfileSpec, obs: Observations, gaps: GapReading, config: PolicyConfig) -> Reading:
+    """The reading of ``obs`` against the spec's SLO, its gaps as ``gaps`` reads them."""
     ratio = latency_ratio(spec, obs)
-    itl = itl_ratio(spec, obs)
+    itl = gap_ratio(spec, gaps.p99_s, gaps.saturated)
     # The zones of target and wait follow the first-token objective, or the gaps when it is the only one.
     zone_ratio = ratio if spec.slo.p99_ms is not None else itl
     busy = busy_share(obs)
     return Reading(
         ratio=ratio,
         itl=itl,
+        gaps=gaps,
         zone_ratio=zone_ratio,
         saturated=obs.p99_saturated,
         running=obs.mean_batch_size if known(obs.mean_batch_size) else math.nan,

@@ -12,6 +12,7 @@ from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.budget import BudgetMove
 from batchpilot_operator.tuning.cap import CapMove
 from batchpilot_operator.tuning.config import PolicyConfig
+from batchpilot_operator.tuning.error_budget import GapReading
 from batchpilot_operator.tuning.observations import Observations, known
 from batchpilot_operator.tuning.reading import Reading
 from batchpilot_operator.tuning.target_wait import TargetWaitMove
@@ -44,7 +45,7 @@ def sparse_budget_raise(spec: BatchProfileSpec, obs: Observations, budget: int, 
     )
 
 
-def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
+def _objective(spec: BatchProfileSpec, obs: Observations, gaps: GapReading) -> tuple[str, str]:
     """The P99 that decides (first tokens, else the gaps) and its target, as the reasons name them."""
     if spec.slo.p99_ms is not None:
         p99_ms = obs.p99_s * 1000
@@ -53,34 +54,33 @@ def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
     p99_text = (
         "inter-token P99 beyond the top bucket"
         if obs.itl_p99_saturated
-        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+        else f"inter-token P99 {gaps.named_p99_s * 1000:.0f} ms"
     )
     return p99_text, f"its {spec.slo.inter_token_p99_ms:.0f} ms target"
 
 
-def cooldown(spec: BatchProfileSpec, obs: Observations, left_s: float) -> str:
-    p99_text, slo_text = _objective(spec, obs)
+def cooldown(spec: BatchProfileSpec, obs: Observations, reading: Reading, left_s: float) -> str:
+    p99_text, slo_text = _objective(spec, obs, reading.gaps)
     return f"{p99_text} vs {slo_text}, but in cooldown for {left_s:.0f} s more; holding."
 
 
-def excused(spec: BatchProfileSpec, obs: Observations, share: float, config: PolicyConfig) -> str:
-    """What the error budget excused, said after the decision's reason."""
-    return (
-        f" Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms is over its {spec.slo.inter_token_p99_ms:.0f} ms target"
-        f" this interval, within the error budget: {share:.2%} of the last hour's gaps over it"
-        f" ({config.gap_budget_share:.0%} allowed), so not cut."
-    )
-
-
-def overspent(spec: BatchProfileSpec, obs: Observations, share: float, factor: float, config: PolicyConfig) -> str:
-    """What paying back an overspent error budget changed, said after the decision's reason (which
-    names the gaps as read)."""
-    return (
-        f" The interval's inter-token P99 of {obs.itl_p99_s * 1000:.0f} ms is read {factor - 1:.0%} longer"
-        f" ({obs.itl_p99_s * factor * 1000:.0f} ms) until the error budget is paid back: {share:.2%} of the"
-        f" last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms target"
-        f" ({config.gap_budget_share:.0%} allowed)."
-    )
+def error_budget(spec: BatchProfileSpec, gaps: GapReading, config: PolicyConfig) -> str:
+    """What the error budget changed in the reading of the gaps, said after every reason of the
+    decision past the data gates ("" when the gaps are read as they are)."""
+    if gaps.why == "excused":
+        return (
+            f" Inter-token P99 {gaps.own_p99_s * 1000:.0f} ms is over its {spec.slo.inter_token_p99_ms:.0f} ms"
+            f" target this interval, within the error budget: {gaps.hour_share:.2%} of the last hour's gaps"
+            f" over it ({config.gap_budget_share:.0%} allowed), so not cut."
+        )
+    if gaps.why == "payback":
+        return (
+            f" The interval's inter-token P99 of {gaps.own_p99_s * 1000:.0f} ms is read {gaps.factor - 1:.0%}"
+            f" longer ({gaps.own_p99_s * gaps.factor * 1000:.0f} ms) until the error budget is paid back:"
+            f" {gaps.hour_share:.2%} of the last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms"
+            f" target ({config.gap_budget_share:.0%} allowed)."
+        )
+    return ""
 
 
 def memory(obs: Observations, cap: int) -> str:
@@ -103,11 +103,12 @@ def hold(
     chunk_over_target: bool = False,
 ) -> str:
     """Why nothing moved past the gates: the limits, or the zone."""
-    p99_text, slo_text = _objective(spec, obs)
+    p99_text, slo_text = _objective(spec, obs, reading.gaps)
+    gap_ms = reading.gaps.named_p99_s * 1000
     if reading.itl_over and chunk_over_target:
         per_token_ms = obs.prefill_s_per_token * 1000
         return (
-            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"Inter-token P99 {gap_ms:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
             f"target and {p99_text} past half of {slo_text}, but a step's prompt chunk alone would still run "
             f"over the gap target after a cut ({per_token_ms * 1000:.1f} us a prompt token): a cut would split "
             "each long prompt into more steps over it, each stalling every decode once more; holding."
@@ -115,14 +116,14 @@ def hold(
     if reading.itl_over and gaps_beyond_budget:
         per_token_ms = obs.prefill_s_per_token * 1000
         return (
-            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"Inter-token P99 {gap_ms:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
             f"target, more than the prompt part of a step explains ({per_token_ms * 1000:.1f} us a prompt token): "
             "a smaller budget would not bring the gaps under it, only make first tokens wait, and the batch is "
             "under its cap; holding."
         )
     if reading.itl_over:
         return (
-            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"Inter-token P99 {gap_ms:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
             "target, but the budget and the cap are already at their limits; holding."
         )
     if reading.over:
@@ -135,7 +136,7 @@ def hold(
 
 def _lead(spec: BatchProfileSpec, obs: Observations, reading: Reading, headroom_streak: int | None) -> str:
     """Where P99 stands; ``headroom_streak`` is None unless headroom is confirmed."""
-    p99_text, slo_text = _objective(spec, obs)
+    p99_text, slo_text = _objective(spec, obs, reading.gaps)
     if reading.over:
         return f"{p99_text} over {slo_text} ({'saturated' if reading.saturated else f'{reading.ratio:.2f}x the SLO'})"
     if reading.itl_over and spec.slo.p99_ms is None:
@@ -153,7 +154,7 @@ def _budget(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: B
     itl_text = (
         "inter-token P99 beyond the top bucket"
         if math.isinf(reading.itl)
-        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+        else f"inter-token P99 {reading.gaps.named_p99_s * 1000:.0f} ms"
     )
     target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
     if move.change == "lower":
