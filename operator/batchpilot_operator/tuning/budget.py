@@ -10,7 +10,7 @@ a clock or the policy's memory; the ceiling a cut set is passed in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, LatencyMetric
@@ -37,6 +37,7 @@ class BudgetMove:
     # Gaps over target, first tokens past half theirs, and the cut would leave a step's prompt chunk
     # alone over the gap target (see :func:`chunk_over_target`); the budget holds.
     chunk_over: bool = False
+    reason: str = ""  # what the move does and why, as the decision's reason says it; "" when it holds
 
 
 def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
@@ -140,11 +141,13 @@ def budget_move(
     first_tokens = not math.isnan(ttft_ratio)
     balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
     if ratio > 1.0:
-        return _cut(spec, window, obs, reading, current, balance, config, settled)
-    if budget is None:
+        move = _cut(spec, window, obs, reading, current, balance, config, settled)
+    elif budget is None:
         return BudgetMove(budget)
-    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
-    return _raise(spec, budget, obs, reading, top, balance, config)
+    else:
+        top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
+        move = _raise(spec, budget, obs, reading, top, balance, config)
+    return replace(move, reason=_said(spec, obs, reading, move))
 
 
 def _cut(
@@ -237,6 +240,26 @@ def _raise(
     if new <= budget:
         return BudgetMove(budget)
     return BudgetMove(new, "raise", cause=cause)
+
+
+def _said(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: BudgetMove) -> str:
+    """What ``move`` does and why, as the decision's reason says it ("" when it holds)."""
+    if move.change is None:
+        return ""
+    itl_text = (
+        "inter-token P99 beyond the top bucket"
+        if math.isinf(reading.itl)
+        else f"inter-token P99 {reading.gaps.named_p99_s * 1000:.0f} ms"
+    )
+    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
+    if move.change == "lower":
+        return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
+    need = {
+        "first_tokens": "first tokens need it",
+        "queue": f"{obs.queue_depth:.0f} prompts wait",
+        "room": "so that the next burst needs fewer steps",
+    }[move.cause or "room"]
+    return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
 
 
 def sparse_room_budget(

@@ -9,25 +9,40 @@ memory (the ceiling) is passed in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.config import PolicyConfig
 from batchpilot_operator.tuning.limits import cap_floor, limit_size
-from batchpilot_operator.tuning.observations import known
+from batchpilot_operator.tuning.observations import Observations, known
 from batchpilot_operator.tuning.reading import Reading, latency_cut
 from batchpilot_runtime.contract.window import Window
 
 
-def memory_move(spec: BatchProfileSpec, window: Window, reading: Reading) -> tuple[int, int]:
+@dataclass(frozen=True)
+class MemoryMove:
+    """Target and cap under memory pressure, and the decision's reason."""
+
+    target: int
+    cap: int
+    reason: str
+
+
+def memory_move(spec: BatchProfileSpec, window: Window, obs: Observations, reading: Reading) -> MemoryMove:
     """Target and cap under memory pressure: the cap below the running batch, the target within it."""
     bounds = spec.tuning.bounds
     fraction = spec.tuning.max_step_fraction
     cap, running = window.hard_cap, reading.running
     base = min(cap, math.ceil(running)) if known(running) and running >= 1 else cap
     new_cap = limit_size(cap, base * (1 - fraction / 2), fraction, cap_floor(bounds), bounds.hard_cap.max)
-    return max(bounds.target_batch_size.min, min(window.target_batch_size, new_cap)), new_cap
+    target = max(bounds.target_batch_size.min, min(window.target_batch_size, new_cap))
+    return MemoryMove(target, new_cap, _memory_said(obs, new_cap))
+
+
+def _memory_said(obs: Observations, cap: int) -> str:
+    pressure = f"{obs.preemptions_per_s:.2g} preemptions/s"
+    return f"{pressure}: lowering the cap to {cap} (and not raising it again until memory is calm)."
 
 
 CapCause = Literal["backlog", "slow_steps", "floor_gaps", "burst_room"]
@@ -39,6 +54,7 @@ class CapMove:
 
     cap: int
     cause: CapCause | None = None
+    reason: str = ""  # what the move does and why, as the decision's reason says it
 
 
 def cap_move(
@@ -52,6 +68,18 @@ def cap_move(
     """The cap: throughput when the backlog needs it, step time when the batch itself is slow.
 
     All else equal a worse first-token P99 never leaves a larger cap (monotone)."""
+    move = _moved_cap(spec, window, reading, ceiling, config, gaps_beyond_budget)
+    return replace(move, reason=_said(reading, move))
+
+
+def _moved_cap(
+    spec: BatchProfileSpec,
+    window: Window,
+    reading: Reading,
+    ceiling: int,
+    config: PolicyConfig,
+    gaps_beyond_budget: bool,
+) -> CapMove:
     bounds = spec.tuning.bounds
     fraction = spec.tuning.max_step_fraction
     cap, running = window.hard_cap, reading.running
@@ -88,3 +116,20 @@ def cap_move(
         # slot costs nothing until it is used, and a missing one turns the next burst into a queue.
         return CapMove(limit_size(cap, running * spare, fraction, floor, top), "burst_room")
     return CapMove(cap)
+
+
+def _said(reading: Reading, move: CapMove) -> str:
+    """What ``move`` does and why, as the decision's reason says it ("" when nothing asked it to move)."""
+    if move.cause == "backlog":
+        return f"raising the cap to {move.cap} ({reading.queue:.0f} waiting with the batch at its cap)"
+    if move.cause == "slow_steps":
+        why = f"steps of {reading.step_s * 1000:.0f} ms at this batch are too long for the SLO"
+        return f"lowering the cap to {move.cap} ({why})"
+    if move.cause == "floor_gaps":
+        return (
+            f"lowering the cap to {move.cap} (gaps still too long with the prefill budget at its floor or beyond "
+            "what it explains: the rest of a step is the batch's decode)"
+        )
+    if move.cause == "burst_room":
+        return f"raising the cap to {move.cap} (room for a burst over the running batch of {reading.running:.0f})"
+    return ""

@@ -3,8 +3,11 @@
 :func:`decide` applies the gates and orders the moves; the moves themselves are pure functions, one
 module a lever (:mod:`~batchpilot_operator.tuning.budget`, :mod:`~batchpilot_operator.tuning.cap`,
 :mod:`~batchpilot_operator.tuning.target_wait`), reading one interval through
-:mod:`~batchpilot_operator.tuning.reading` (their step limits in :mod:`batchpilot_operator.tuning.limits`),
-and every reason is rendered from the decision's parts by :mod:`batchpilot_operator.tuning.reasons`.
+:mod:`~batchpilot_operator.tuning.reading` and its gaps through
+:mod:`~batchpilot_operator.tuning.error_budget` (their step limits in
+:mod:`batchpilot_operator.tuning.limits`). Each move returns its reason with it;
+:mod:`batchpilot_operator.tuning.reasons` says the rest (the gates' holds, where P99 stands) and joins
+the reasons of the moves that moved a field into the decision's.
 
 How it works
 ------------
@@ -254,10 +257,16 @@ def decide(
 
     # 5. Memory pressure: lower the cap and remember it as a ceiling.
     if reading.pressure:
-        target, cap = memory_move(spec, window, reading)
-        state = replace(state, kv_cap_ceiling=cap, calm_streak=0, headroom_streak=0)
-        fields: Fields = (target, cap, window.max_wait_ms, window.tail_mark_ratio, window.max_prefill_tokens)
-        return _change(window, fields, "down", reasons.memory(obs, cap), state, now_s, estimate)
+        memory = memory_move(spec, window, obs, reading)
+        state = replace(state, kv_cap_ceiling=memory.cap, calm_streak=0, headroom_streak=0)
+        fields: Fields = (
+            memory.target,
+            memory.cap,
+            window.max_wait_ms,
+            window.tail_mark_ratio,
+            window.max_prefill_tokens,
+        )
+        return _change(window, fields, "down", memory.reason, state, now_s, estimate)
 
     # 6. The cap, then target and wait within it, the tail ratio riding along.
     return _levers(spec, window, obs, reading, budget, state, now_s, estimate, config)

@@ -1,12 +1,13 @@
-"""The words of a decision: each reason rendered from the parts the policy decided on.
+"""The words of a decision that no single move says: the gates' holds, where P99 stands, what the
+error budget changed in the reading of the gaps, and the sentence that joins the moves' own reasons
+(each move says what it does: :mod:`~batchpilot_operator.tuning.budget`,
+:mod:`~batchpilot_operator.tuning.cap`, :mod:`~batchpilot_operator.tuning.target_wait`).
 
 No arithmetic that decides anything lives here; the texts are part of the operator's interface
-(status, events, logs) and tests pin them, so a change of wording is a change of this module only.
+(status, events, logs) and tests pin them.
 """
 
 from __future__ import annotations
-
-import math
 
 from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.budget import BudgetMove
@@ -83,11 +84,6 @@ def error_budget(spec: BatchProfileSpec, gaps: GapReading, config: PolicyConfig)
     return ""
 
 
-def memory(obs: Observations, cap: int) -> str:
-    pressure = f"{obs.preemptions_per_s:.2g} preemptions/s"
-    return f"{pressure}: lowering the cap to {cap} (and not raising it again until memory is calm)."
-
-
 def at_limits(reason: str) -> str:
     """A change that turned out to move nothing: the same reason, as a hold."""
     return reason.rstrip(".") + AT_LIMITS
@@ -148,67 +144,6 @@ def _lead(spec: BatchProfileSpec, obs: Observations, reading: Reading, headroom_
     return f"{p99_text} within {slo_text}"
 
 
-def _budget(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: BudgetMove) -> str:
-    if move.change is None:
-        return ""
-    itl_text = (
-        "inter-token P99 beyond the top bucket"
-        if math.isinf(reading.itl)
-        else f"inter-token P99 {reading.gaps.named_p99_s * 1000:.0f} ms"
-    )
-    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
-    if move.change == "lower":
-        return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
-    need = {
-        "first_tokens": "first tokens need it",
-        "queue": f"{obs.queue_depth:.0f} prompts wait",
-        "room": "so that the next burst needs fewer steps",
-    }[move.cause or "room"]
-    return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
-
-
-def _cap(reading: Reading, move: CapMove) -> str:
-    if move.cause == "backlog":
-        return f"raising the cap to {move.cap} ({reading.queue:.0f} waiting with the batch at its cap)"
-    if move.cause == "slow_steps":
-        why = f"steps of {reading.step_s * 1000:.0f} ms at this batch are too long for the SLO"
-        return f"lowering the cap to {move.cap} ({why})"
-    if move.cause == "floor_gaps":
-        return (
-            f"lowering the cap to {move.cap} (gaps still too long with the prefill budget at its floor or beyond "
-            "what it explains: the rest of a step is the batch's decode)"
-        )
-    if move.cause == "burst_room":
-        return f"raising the cap to {move.cap} (room for a burst over the running batch of {reading.running:.0f})"
-    return ""
-
-
-def _target_wait(window: Window, reading: Reading, move: TargetWaitMove) -> str:
-    busy_why = f"the engine decodes {reading.busy:.0%} of the time, so a held request would only join a later step"
-    text = ""
-    if move.cause == "latency":
-        text = "lowering wait and target" if move.target != window.target_batch_size else "lowering the wait"
-    elif move.cause == "busy":
-        text = f"dropping the wait ({busy_why})"
-    elif move.cause == "fill":
-        # Say what moved: with a larger target the fill time can still ask for a shorter wait.
-        moved = [
-            f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
-            for name, old, new, unit in (
-                ("target", window.target_batch_size, move.target, ""),
-                ("wait", window.max_wait_ms, move.wait, " ms"),
-            )
-            if new != old
-        ]
-        text = f"{' and '.join(moved)}, as far as arrivals fill them"
-    elif move.cause == "dead_band":
-        text = f"moving the wait towards {move.want_ms:.0f} ms, the time arrivals take to fill the target"
-    if move.lowered_to is not None:
-        lowered = f"lowering the target to {move.lowered_to}, what the running batch fills"
-        text = "; ".join(p for p in (text, lowered) if p)
-    return text
-
-
 def change(
     spec: BatchProfileSpec,
     obs: Observations,
@@ -218,9 +153,9 @@ def change(
     moves: tuple[BudgetMove, CapMove, TargetWaitMove],
     headroom_streak: int | None,
 ) -> str:
-    """The reason of a change, "<where P99 stands>: <each field that moved, and why>.": ``new_window``
-    holds the fields this decision puts in force; ``headroom_streak`` is None unless headroom is
-    confirmed."""
+    """The reason of a change, "<where P99 stands>: <each field that moved, and why>.", each field's
+    part the reason of the move that moved it: ``new_window`` holds the fields this decision puts in
+    force; ``headroom_streak`` is None unless headroom is confirmed."""
     budget, cap, target_wait = moves
     target_wait_moved = (new_window.target_batch_size, new_window.max_wait_ms) != (
         window.target_batch_size,
@@ -229,9 +164,9 @@ def change(
     actions = "; ".join(
         part
         for part in (
-            _budget(spec, obs, reading, budget) if new_window.max_prefill_tokens != window.max_prefill_tokens else "",
-            _target_wait(window, reading, target_wait) if target_wait_moved else "",
-            _cap(reading, cap) if new_window.hard_cap != window.hard_cap else "",
+            budget.reason if new_window.max_prefill_tokens != window.max_prefill_tokens else "",
+            target_wait.reason if target_wait_moved else "",
+            cap.reason if new_window.hard_cap != window.hard_cap else "",
         )
         if part
     )

@@ -10,7 +10,7 @@ memory (a confirmed streak) is passed in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness
@@ -83,6 +83,7 @@ class TargetWaitMove:
     cause: TargetWaitCause | None = None  # None: neither asked to move
     want_ms: float = math.nan  # the dead band's aim for the wait
     lowered_to: int | None = None  # without a wait, the target brought down to what the batch fills
+    reason: str = ""  # what the move does and why, as the decision's reason says it
 
     @property
     def new_target(self) -> int:
@@ -115,7 +116,8 @@ def target_wait_move(
         move = _fill_move(spec, window, obs, reading, cap, estimate, config)
     else:
         move = _dead_band_move(spec, window, obs, reading, confirmed_under, config)
-    return _lower_unfilled_target(spec, window, obs, reading, move, config)
+    move = _lower_unfilled_target(spec, window, obs, reading, move, config)
+    return replace(move, reason=_said(window, reading, move))
 
 
 def _latency_move(
@@ -206,6 +208,33 @@ def _lower_unfilled_target(
     if lowered >= move.target:
         return move
     return TargetWaitMove(move.target, move.wait, move.cause, move.want_ms, lowered)
+
+
+def _said(window: Window, reading: Reading, move: TargetWaitMove) -> str:
+    """What ``move`` does and why, as the decision's reason says it."""
+    busy_why = f"the engine decodes {reading.busy:.0%} of the time, so a held request would only join a later step"
+    text = ""
+    if move.cause == "latency":
+        text = "lowering wait and target" if move.target != window.target_batch_size else "lowering the wait"
+    elif move.cause == "busy":
+        text = f"dropping the wait ({busy_why})"
+    elif move.cause == "fill":
+        # Say what moved: with a larger target the fill time can still ask for a shorter wait.
+        moved = [
+            f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
+            for name, old, new, unit in (
+                ("target", window.target_batch_size, move.target, ""),
+                ("wait", window.max_wait_ms, move.wait, " ms"),
+            )
+            if new != old
+        ]
+        text = f"{' and '.join(moved)}, as far as arrivals fill them"
+    elif move.cause == "dead_band":
+        text = f"moving the wait towards {move.want_ms:.0f} ms, the time arrivals take to fill the target"
+    if move.lowered_to is not None:
+        lowered = f"lowering the target to {move.lowered_to}, what the running batch fills"
+        text = "; ".join(p for p in (text, lowered) if p)
+    return text
 
 
 def tail_ratio(spec: BatchProfileSpec, window: Window, new_wait: int, obs: Observations, config: PolicyConfig) -> float:
