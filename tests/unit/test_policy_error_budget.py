@@ -1,6 +1,6 @@
 """The inter-token SLO's error budget: a gap P99 a little over its target is not cut while the last
-hour's share of gaps over the target leaves room (moves.excused_gap_share), and an hour over that
-budget is paid back by reading the gaps longer (moves.gap_payback)."""
+hour's share of gaps over the target leaves room (error_budget.excused_gap_share), and an hour over that
+budget is paid back by reading the gaps longer (error_budget.gap_payback)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot_operator.tuning.budget import excused_gap_share, gap_payback
-from batchpilot_operator.tuning.moves import DEFAULT_CONFIG
+from batchpilot_operator.tuning.config import DEFAULT_CONFIG
+from batchpilot_operator.tuning.error_budget import GapReading, excused_gap_share, gap_payback, read_gaps
 from batchpilot_operator.tuning.observations import share_above
 from batchpilot_operator.tuning.policy import PolicyState, decide
 from tests.support.factories import make_observations
-from tests.unit.test_policy import itl_spec
+from tests.unit.test_policy_budget import itl_spec
 
 INF = math.inf
 
@@ -200,3 +200,20 @@ def test_an_hour_over_budget_stops_a_raise_for_first_tokens_lower() -> None:
     assert without.direction == paying.direction == "up"
     assert 1000 < (paying.window.max_prefill_tokens or 0) < (without.window.max_prefill_tokens or 0)
     assert "read 3% longer" in paying.reason
+
+
+def test_the_gap_reading_says_what_the_moves_read_beside_the_intervals_own_figure() -> None:
+    spec, _ = itl_spec()
+
+    def gaps(itl_p99_s: float, share: float) -> GapReading:
+        obs = make_observations(0.2, itl_p99_s=itl_p99_s, itl_window_buckets=hour(share))
+        return read_gaps(spec, obs, DEFAULT_CONFIG)
+
+    excused = gaps(0.105, 0.002)
+    assert (excused.why, excused.p99_s, excused.own_p99_s) == ("excused", 0.1, 0.105)
+    assert excused.named_p99_s == 0.105 and excused.hour_share == pytest.approx(0.002)
+    paid = gaps(0.097, 0.03)
+    assert (paid.why, paid.own_p99_s, paid.factor) == ("payback", 0.097, 1.05)
+    assert paid.p99_s == paid.named_p99_s == pytest.approx(0.097 * 1.05)
+    as_is = gaps(0.097, 0.0)
+    assert (as_is.why, as_is.p99_s, as_is.own_p99_s, as_is.factor) == ("as_is", 0.097, 0.097, 1.0)

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.api.profile import BatchProfileSpec
-from batchpilot_operator.tuning.moves import PolicyConfig
+from batchpilot_operator.tuning.config import PolicyConfig
 from batchpilot_operator.tuning.unused import unused_settings
 from tests.support.factories import make_spec
 

@@ -45,7 +45,7 @@ from batchpilot_operator.control.restart_plan import (
     worth,
 )
 from batchpilot_operator.control.status import FALSE, TRUE, ConditionFact, StatusFacts, rfc3339
-from batchpilot_operator.tuning.moves import slo_over
+from batchpilot_operator.tuning.reading import slo_over
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")

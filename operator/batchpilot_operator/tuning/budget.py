@@ -1,61 +1,24 @@
-"""The prompt-token budget's move, and the inter-token SLO's error budget it reads.
+"""The prompt-token budget's move.
 
 The budget is the lever between the two tails an iteration-level engine trades (see the policy's
 docstring): :func:`budget_move` moves it by the ratio of each P99 to its target, at most one step per
-decision and within ``tuning.bounds``. :func:`excused_gap_share` and :func:`gap_payback` read the
-last hour's share of gaps over the inter-token target. Pure: nothing here reads a clock or the
-policy's memory; the ceiling a cut set is passed in.
+decision and within ``tuning.bounds``. It reads the gaps as :mod:`batchpilot_operator.tuning.error_budget`
+has them read (:class:`~batchpilot_operator.tuning.error_budget.GapReading`). Pure: nothing here reads
+a clock or the policy's memory; the ceiling a cut set is passed in.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, LatencyMetric
+from batchpilot_operator.tuning.config import PolicyConfig
 from batchpilot_operator.tuning.limits import limit_size
-from batchpilot_operator.tuning.moves import PolicyConfig, itl_ratio
-from batchpilot_operator.tuning.observations import Observations, known, share_above
+from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.reading import Reading
 from batchpilot_runtime.contract.window import Window
-
-
-def hour_gap_share(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> float | None:
-    """The share of the last hour's gaps over the inter-token target; None without an inter-token
-    target, a readable interval (unknown or saturated), the hour's histogram or enough gaps in it."""
-    target_ms = spec.slo.inter_token_p99_ms
-    if target_ms is None or obs.itl_p99_saturated or not known(obs.itl_p99_s) or not obs.itl_window_buckets:
-        return None
-    if obs.itl_window_buckets[-1][1] < config.gap_budget_min_gaps:
-        return None
-    share = share_above(target_ms / 1000.0, obs.itl_window_buckets)
-    return share if known(share) else None
-
-
-def excused_gap_share(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> float | None:
-    """The share of the last hour's gaps over the inter-token target when this interval's gap P99
-    is over that target but within what the error budget excuses (see ``PolicyConfig``); None
-    when nothing is excused (within target, too far over, saturated, the budget spent, too few
-    gaps in the hour, or no hour's histogram)."""
-    share = hour_gap_share(spec, obs, config)
-    if share is None or spec.slo.inter_token_p99_ms is None:
-        return None
-    target_s = spec.slo.inter_token_p99_ms / 1000.0
-    if obs.itl_p99_s <= target_s:
-        return None
-    spent = min(1.0, share / config.gap_budget_share / config.gap_budget_aim)
-    tolerance = config.gap_excuse_ratio + (1.0 - config.gap_excuse_ratio) * spent
-    return share if obs.itl_p99_s * tolerance <= target_s else None
-
-
-def gap_payback(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> tuple[float, float] | None:
-    """``(share, factor)`` when the last hour spent more than the gaps' error budget: its share over
-    the target, and the factor (over 1, at most ``gap_payback_max``) by which this interval's gap P99
-    is read longer until the hour is back within budget; None otherwise."""
-    share = hour_gap_share(spec, obs, config)
-    if share is None or share <= config.gap_budget_share:
-        return None
-    return share, min(config.gap_payback_max, share / config.gap_budget_share)
 
 
 @dataclass(frozen=True)
@@ -74,6 +37,7 @@ class BudgetMove:
     # Gaps over target, first tokens past half theirs, and the cut would leave a step's prompt chunk
     # alone over the gap target (see :func:`chunk_over_target`); the budget holds.
     chunk_over: bool = False
+    reason: str = ""  # what the move does and why, as the decision's reason says it; "" when it holds
 
 
 def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
@@ -89,8 +53,11 @@ def prefill_top(spec: BatchProfileSpec, obs: Observations) -> float:
     return math.inf if per_token_s <= 0 else target_ms / 1000.0 / per_token_s
 
 
-def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, share: float, ratio: float) -> float:
-    """The budget factor that would bring the inter-token P99 to ``share`` of its target.
+def gap_room_factor(
+    spec: BatchProfileSpec, obs: Observations, gap_p99_s: float, budget: int, share: float, ratio: float
+) -> float:
+    """The budget factor that would bring the inter-token P99 (``gap_p99_s``, as read) to ``share`` of
+    its target.
 
     A gap is one step's time: its decodes' part stays and its prompt part grows by
     ``prefill_s_per_token`` a token, so the room left under the target buys (room / cost per token)
@@ -98,9 +65,9 @@ def gap_room_factor(spec: BatchProfileSpec, obs: Observations, budget: int, shar
     by the decodes' share of the step. Proportional when the cost per token is unknown."""
     target_ms = spec.slo.inter_token_p99_ms
     per_token_s = obs.prefill_s_per_token
-    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(gap_p99_s)):
         return share / max(ratio, 1e-3)
-    room_s = share * target_ms / 1000.0 - obs.itl_p99_s
+    room_s = share * target_ms / 1000.0 - gap_p99_s
     return max(1.0, budget + room_s / per_token_s) / budget
 
 
@@ -128,69 +95,108 @@ def chunk_over_target(spec: BatchProfileSpec, obs: Observations, budget: int) ->
     return budget * per_token_s >= target_ms / 1000.0
 
 
-def unexplained_by_budget(spec: BatchProfileSpec, obs: Observations, budget: int, config: PolicyConfig) -> bool:
-    """Whether the gaps are over their setpoint even with no prompt part at all.
+def unexplained_by_budget(
+    spec: BatchProfileSpec, obs: Observations, gap_p99_s: float, budget: int, config: PolicyConfig
+) -> bool:
+    """Whether the gaps (``gap_p99_s``, as read) are over their setpoint even with no prompt part at all.
 
     A gap is a step's time: its decodes' part plus ``budget`` prompt tokens at
     ``Observations.prefill_s_per_token``. When what is left without the prompt part is still over the
     setpoint, no cut brings the gaps under it, and a cut only makes first tokens wait (a demo run beside
     a busy CPU: gaps of 212 ms at a budget of 355 tokens, cut to 229, and first tokens at 1.3 s). The
-    cap, not the budget, is then the lever (``moves.cap_move``). False when the cost is unknown."""
+    cap, not the budget, is then the lever (:func:`batchpilot_operator.tuning.cap.cap_move`). False when the cost is unknown."""
     target_ms, per_token_s = spec.slo.inter_token_p99_ms, obs.prefill_s_per_token
-    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(obs.itl_p99_s)):
+    if target_ms is None or not (known(per_token_s) and per_token_s > 0 and known(gap_p99_s)):
         return False
     prompt_part_s = budget * per_token_s
     # The P99 is read off histogram buckets (interpolated within one, up to a third off at 300 ms), so
     # a prompt part of half the gap or more is taken to explain it.
-    if prompt_part_s >= 0.5 * obs.itl_p99_s:
+    if prompt_part_s >= 0.5 * gap_p99_s:
         return False
-    return obs.itl_p99_s - prompt_part_s >= config.itl_setpoint_ratio * target_ms / 1000.0
+    return gap_p99_s - prompt_part_s >= config.itl_setpoint_ratio * target_ms / 1000.0
 
 
 def budget_move(
     spec: BatchProfileSpec,
     window: Window,
     obs: Observations,
-    ttft_ratio: float,
+    reading: Reading,
     config: PolicyConfig,
     ceiling: int | None = None,
     settled: bool = True,
 ) -> BudgetMove:
-    """The budget from the two tails: see the policy's docstring. ``ttft_ratio`` is NaN when the SLO
-    has no first-token objective: then nothing limits a cut, and a raise needs a queue instead.
+    """The budget from the two tails: see the policy's docstring. ``reading.ratio`` is NaN when the
+    SLO has no first-token objective: then nothing limits a cut, and a raise needs a queue instead.
     ``settled``: the window in force has been so for the whole rate window, so that its gaps are this
     budget's; only then may gaps be judged beyond what the budget explains (a P99 read across a cut
     still holds the larger budget's steps)."""
-    budget = window.max_prefill_tokens
-    ratio = itl_ratio(spec, obs)
+    budget, ratio, ttft_ratio = window.max_prefill_tokens, reading.itl, reading.ratio
     if math.isnan(ratio):
         return BudgetMove(budget)
     bound = spec.tuning.bounds.max_prefill_tokens
-    fraction = spec.tuning.max_step_fraction
     current = bound.max if budget is None else budget
-    top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
     # The gap grows about linearly with a step's prompt tokens and the first-token delay of a
     # queue about inversely: sqrt(TTFT ratio / gap ratio) is the move that would balance the two.
     # Without a first-token objective nothing holds a cut back (balance 0).
     first_tokens = not math.isnan(ttft_ratio)
     balance = math.sqrt(ttft_ratio / ratio) if first_tokens and ratio > 0 else (math.inf if first_tokens else 0.0)
     if ratio > 1.0:
-        if settled and not math.isinf(ratio) and unexplained_by_budget(spec, obs, current, config):
-            return BudgetMove(budget, itl_over=True, unexplained=True)
-        # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
-        factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
-        if factor > 1.0 - config.budget_min_change:
-            # First tokens at least as far over: a cut would only move the pain to the worse tail.
-            return BudgetMove(budget, itl_over=True)
-        new = limit_size(current, current * factor, fraction, bound.min, bound.max)
-        if new == budget:
-            return BudgetMove(budget, itl_over=True)
-        if first_tokens and ttft_ratio > config.budget_raise_ttft_ratio and chunk_over_target(spec, obs, new):
-            # More steps over the gap target for every long prompt, and first tokens that need them.
-            return BudgetMove(budget, itl_over=True, chunk_over=True)
-        return BudgetMove(new, "lower", itl_over=True)
-    if budget is None:
+        move = _cut(spec, window, obs, reading, current, balance, config, settled)
+    elif budget is None:
         return BudgetMove(budget)
+    else:
+        top = bound.max if ceiling is None else max(bound.min, min(bound.max, ceiling))
+        move = _raise(spec, budget, obs, reading, top, balance, config)
+    return replace(move, reason=_said(spec, obs, reading, move))
+
+
+def _cut(
+    spec: BatchProfileSpec,
+    window: Window,
+    obs: Observations,
+    reading: Reading,
+    current: int,
+    balance: float,
+    config: PolicyConfig,
+    settled: bool,
+) -> BudgetMove:
+    """The budget with the gaps over their target (``current``: the budget in force, an unset one at
+    the top of its bounds)."""
+    budget, ratio, ttft_ratio = window.max_prefill_tokens, reading.itl, reading.ratio
+    bound = spec.tuning.bounds.max_prefill_tokens
+    fraction = spec.tuning.max_step_fraction
+    if settled and not math.isinf(ratio) and unexplained_by_budget(spec, obs, reading.gaps.p99_s, current, config):
+        return BudgetMove(budget, itl_over=True, unexplained=True)
+    # Aim the gap at the setpoint, but not past the balance when first tokens are tight too.
+    factor = 1.0 - fraction if math.isinf(ratio) else max(config.itl_setpoint_ratio / ratio, balance)
+    if factor > 1.0 - config.budget_min_change:
+        # First tokens at least as far over: a cut would only move the pain to the worse tail.
+        return BudgetMove(budget, itl_over=True)
+    new = limit_size(current, current * factor, fraction, bound.min, bound.max)
+    if new == budget:
+        return BudgetMove(budget, itl_over=True)
+    first_tokens = not math.isnan(ttft_ratio)
+    if first_tokens and ttft_ratio > config.budget_raise_ttft_ratio and chunk_over_target(spec, obs, new):
+        # More steps over the gap target for every long prompt, and first tokens that need them.
+        return BudgetMove(budget, itl_over=True, chunk_over=True)
+    return BudgetMove(new, "lower", itl_over=True)
+
+
+def _raise(
+    spec: BatchProfileSpec,
+    budget: int,
+    obs: Observations,
+    reading: Reading,
+    top: int,
+    balance: float,
+    config: PolicyConfig,
+) -> BudgetMove:
+    """The budget with the gaps within their target: a raise below ``top`` (the bounds and the ceiling
+    a cut set), or a hold."""
+    ratio, ttft_ratio = reading.itl, reading.ratio
+    bound = spec.tuning.bounds.max_prefill_tokens
+    fraction = spec.tuning.max_step_fraction
+    first_tokens = not math.isnan(ttft_ratio)
     # Without a first-token objective, prompts waiting in the queue are what asks for a larger budget.
     first_tokens_wait = (
         ttft_ratio > config.budget_raise_ttft_ratio
@@ -209,7 +215,8 @@ def budget_move(
     elif ttft_ratio > 1.0:
         # First tokens over, gaps within target but close: balance, never past the gap target, whose
         # room is read from the step's own cost per prompt token.
-        factor = min(balance, gap_room_factor(spec, obs, current, config.itl_raise_top_ratio, ratio))
+        room = gap_room_factor(spec, obs, reading.gaps.p99_s, budget, config.itl_raise_top_ratio, ratio)
+        factor = min(balance, room)
         cause = "first_tokens"
     else:
         return BudgetMove(budget)
@@ -221,18 +228,38 @@ def budget_move(
         # budget's (the Azure replay at x0.216: the budget floated to 16384 tokens at 27 ms gaps, and
         # a x1.5 step cost then took 8 cuts and 20 intervals to bring the gaps back under 100 ms).
         top = min(top, max(bound.min, chunk_fit(spec, obs, config.itl_setpoint_ratio)))
-        if top < current * (1.0 + config.budget_min_change):
+        if top < budget * (1.0 + config.budget_min_change):
             return BudgetMove(budget)
     step_top = prefill_top(spec, obs)
     if step_top < top:
         # The estimate moves a little every interval: a raise it would cut under the minimum change holds.
         top = max(bound.min, int(step_top))
-        if top < current * (1.0 + config.budget_min_change):
+        if top < budget * (1.0 + config.budget_min_change):
             return BudgetMove(budget)
-    new = limit_size(current, current * factor, fraction, bound.min, top)
+    new = limit_size(budget, budget * factor, fraction, bound.min, top)
     if new <= budget:
         return BudgetMove(budget)
     return BudgetMove(new, "raise", cause=cause)
+
+
+def _said(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: BudgetMove) -> str:
+    """What ``move`` does and why, as the decision's reason says it ("" when it holds)."""
+    if move.change is None:
+        return ""
+    itl_text = (
+        "inter-token P99 beyond the top bucket"
+        if math.isinf(reading.itl)
+        else f"inter-token P99 {reading.gaps.named_p99_s * 1000:.0f} ms"
+    )
+    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
+    if move.change == "lower":
+        return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
+    need = {
+        "first_tokens": "first tokens need it",
+        "queue": f"{obs.queue_depth:.0f} prompts wait",
+        "room": "so that the next burst needs fewer steps",
+    }[move.cause or "room"]
+    return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
 
 
 def sparse_room_budget(

@@ -32,7 +32,7 @@ from batchpilot_runtime.contract.window import Window
 # interpolated inside one bucket is only known to within that factor, so two groups closer than one
 # bucket are not told apart. Both over the SLO and the canary more than one bucket worse: it made it worse.
 MARGIN = 1.2
-MIN_SAMPLES = 20  # as the policy (tuning.moves.PolicyConfig.min_samples): fewer requests, no P99
+MIN_SAMPLES = 20  # as the policy (tuning.config.PolicyConfig.min_samples): fewer requests, no P99
 
 Outcome = Literal["pass", "fail", "noData"]
 State = Literal["running", "promoted", "rolledBack"]

@@ -1,8 +1,13 @@
 """The tuning policy: (spec, window in force, observations, state, now) -> decision.
 
-:func:`decide` applies the gates and orders the moves; the moves themselves are pure functions in
-:mod:`batchpilot_operator.tuning.moves` (their step limits in :mod:`batchpilot_operator.tuning.limits`),
-and every reason is rendered from the decision's parts by :mod:`batchpilot_operator.tuning.reasons`.
+:func:`decide` applies the gates and orders the moves; the moves themselves are pure functions, one
+module a lever (:mod:`~batchpilot_operator.tuning.budget`, :mod:`~batchpilot_operator.tuning.cap`,
+:mod:`~batchpilot_operator.tuning.target_wait`), reading one interval through
+:mod:`~batchpilot_operator.tuning.reading` and its gaps through
+:mod:`~batchpilot_operator.tuning.error_budget` (their step limits in
+:mod:`batchpilot_operator.tuning.limits`). Each move returns its reason with it;
+:mod:`batchpilot_operator.tuning.reasons` says the rest (the gates' holds, where P99 stands) and joins
+the reasons of the moves that moved a field into the decision's.
 
 How it works
 ------------
@@ -103,10 +108,10 @@ The gaps' target is a P99: 1 % of the gaps may run over it, the SLO's error budg
 whose gap P99 is over its target by at most 1/0.9 is read at the target (no cut, no ceiling) while
 the last hour's share of gaps over the target (``Observations.itl_window_buckets``) is under 0.8 %,
 the excuse narrowing linearly to nothing as that share reaches it; raises always read the interval
-as it is (:func:`batchpilot_operator.tuning.budget.excused_gap_share`). An hour that spent more than
+as it is (:func:`batchpilot_operator.tuning.error_budget.excused_gap_share`). An hour that spent more than
 the 1 % is paid back: each interval's gap P99 is read longer by the hour's share over 1 %, at most
 5 %, so cuts go a little deeper and raises stop a little lower until the hour is back within budget
-(:func:`batchpilot_operator.tuning.budget.gap_payback`).
+(:func:`batchpilot_operator.tuning.error_budget.gap_payback`).
 
 An SLO may also state the inter-token target alone (no ``p99Ms``). Then the gaps take the place
 of the P99 above wherever it decides alone: the data gate, headroom and the dead band; nothing
@@ -125,10 +130,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from batchpilot_operator.api.profile import BatchProfileSpec, WindowBounds
 from batchpilot_operator.tuning import reasons
-from batchpilot_operator.tuning.budget import budget_move, excused_gap_share, gap_payback, sparse_room_budget
+from batchpilot_operator.tuning.budget import BudgetMove, budget_move, sparse_room_budget
+from batchpilot_operator.tuning.cap import cap_move, memory_move
+from batchpilot_operator.tuning.config import DEFAULT_CONFIG, PolicyConfig
+from batchpilot_operator.tuning.error_budget import read_gaps
 from batchpilot_operator.tuning.friendliness import FriendlinessEstimate, measure, merge_curve
 from batchpilot_operator.tuning.limits import (
     RATIO_MIN_STEP,
@@ -139,25 +148,17 @@ from batchpilot_operator.tuning.limits import (
     clamp_into_bounds,
     lift_ceiling,
 )
-from batchpilot_operator.tuning.moves import (
-    DEFAULT_CONFIG,
-    Direction,
-    PolicyConfig,
+from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.reading import (
     Reading,
     busy_share,
-    cap_move,
-    desired_wait_ms,
-    direction,
     itl_ratio,
     latency_ratio,
-    memory_move,
     read,
     slo_over,
     step_time_s,
-    tail_ratio,
-    target_wait_move,
 )
-from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.target_wait import desired_wait_ms, tail_ratio, target_wait_move
 from batchpilot_runtime.contract.window import Window
 
 __all__ = [
@@ -178,6 +179,9 @@ __all__ = [
     "slo_over",
     "step_time_s",
 ]
+
+
+Direction = Literal["up", "down", "hold", "reset"]
 
 
 @dataclass(frozen=True)
@@ -220,73 +224,67 @@ def decide(
     config: PolicyConfig = DEFAULT_CONFIG,
 ) -> Decision:
     """One tuning decision. Pure: same inputs, same decision."""
-    bounds = spec.tuning.bounds
-
     # 1. Fold this interval's step times into the friendliness curve (whatever else happens).
     curve = merge_curve(state.step_curve, obs.step_s_by_batch)
     estimate = measure(dict(curve)) if curve else None
     state = replace(state, step_curve=curve, decisions=state.decisions + 1)
 
-    note = ""  # what the error budget excused, said after every reason of this decision
-
-    def hold(reason: str, new_state: PolicyState) -> Decision:
-        return Decision(window, "hold", reason + note, new_state, estimate)
-
     # 2. Bounds win over everything, including the cooldown.
+    bounds = spec.tuning.bounds
     if bounds.fields_outside(window) or window.target_batch_size > window.hard_cap:
         clamped = clamp_into_bounds(window, bounds)
         state = replace(state, last_change_s=now_s, headroom_streak=0)
         return Decision(clamped, "reset", reasons.reset(window), state, estimate)
 
-    # 3. Refuse to act on what cannot be trusted.
+    # 3. Refuse to act on what cannot be trusted (a sparse interval may still raise the budget).
     untrusted = _untrusted(spec, obs, config)
     if untrusted is not None:
-        state = replace(state, headroom_streak=0)
-        raised = _sparse_budget_raise(spec, window, obs, state, now_s, config)
-        if raised is not None:
-            reason = reasons.sparse_budget_raise(spec, obs, raised, config)
-            fields: Fields = (
-                window.target_batch_size,
-                window.hard_cap,
-                window.max_wait_ms,
-                window.tail_mark_ratio,
-                raised,
-            )
-            return _change(window, fields, "up", reason, state, now_s, estimate)
-        return hold(untrusted, state)
-    # Gaps a little over their target while the last hour's error budget has room are judged at the
-    # target: no cut, no budget ceiling (the reasons still name the interval's own figure).
-    # While the hour is over that budget the gaps are read longer, so that it is paid back; the
-    # reasons then name the figure as read, and the note the interval's own.
-    excused = excused_gap_share(spec, obs, config)
-    seen = obs
-    if excused is not None and spec.slo.inter_token_p99_ms is not None:
-        obs = obs.with_(itl_p99_s=spec.slo.inter_token_p99_ms / 1000.0)
-        note = reasons.excused(spec, seen, excused, config)
-    elif (payback := gap_payback(spec, obs, config)) is not None:
-        obs = obs.with_(itl_p99_s=obs.itl_p99_s * payback[1])
-        note = reasons.overspent(spec, seen, *payback, config)
-        seen = obs
-    reading = read(spec, obs, config)
+        return _sparse(spec, window, obs, replace(state, headroom_streak=0), now_s, estimate, untrusted, config)
+    # The gaps as the error budget has them read: at the target when it excuses them, longer while
+    # the last hour is over it; every reason from here on ends with the note that says which.
+    reading = read(spec, obs, read_gaps(spec, obs, config), config)
     state = _advance_streaks(state, spec, reading, config)
     if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
         left_s = spec.tuning.cooldown_seconds - (now_s - state.last_change_s)
-        return hold(reasons.cooldown(spec, seen, left_s), state)
+        why = reasons.cooldown(spec, obs, reading, left_s) + reasons.error_budget(spec, reading.gaps, config)
+        return Decision(window, "hold", why, state, estimate)
 
     # 4. The budget, from the two tails; a cut sets the ceiling that later raises stop below.
     settled = state.last_change_s is None or (known(obs.window_s) and now_s - state.last_change_s >= obs.window_s)
-    budget = budget_move(spec, window, obs, reading.ratio, config, state.budget_ceiling, settled)
+    budget = budget_move(spec, window, obs, reading, config, state.budget_ceiling, settled)
     if budget.itl_over and budget.budget is not None:
         state = replace(state, budget_ceiling=budget.budget, itl_calm_streak=0)
 
     # 5. Memory pressure: lower the cap and remember it as a ceiling.
     if reading.pressure:
-        target, cap = memory_move(spec, window, reading)
-        state = replace(state, kv_cap_ceiling=cap, calm_streak=0, headroom_streak=0)
-        fields = (target, cap, window.max_wait_ms, window.tail_mark_ratio, window.max_prefill_tokens)
-        return _change(window, fields, "down", reasons.memory(obs, cap), state, now_s, estimate)
+        memory = memory_move(spec, window, obs, reading)
+        state = replace(state, kv_cap_ceiling=memory.cap, calm_streak=0, headroom_streak=0)
+        fields: Fields = (
+            memory.target,
+            memory.cap,
+            window.max_wait_ms,
+            window.tail_mark_ratio,
+            window.max_prefill_tokens,
+        )
+        return _change(window, fields, "down", memory.reason, state, now_s, estimate)
 
-    # 6. The cap, then target and wait within it.
+    # 6. The cap, then target and wait within it, the tail ratio riding along.
+    return _levers(spec, window, obs, reading, budget, state, now_s, estimate, config)
+
+
+def _levers(
+    spec: BatchProfileSpec,
+    window: Window,
+    obs: Observations,
+    reading: Reading,
+    budget: BudgetMove,
+    state: PolicyState,
+    now_s: float,
+    estimate: FriendlinessEstimate | None,
+    config: PolicyConfig,
+) -> Decision:
+    """The last steps of :func:`decide`: the cap, target and wait within it, and the tail ratio
+    beside ``budget``, named and said; or a hold when nothing moves."""
     ceiling = cap_ceiling(spec, estimate, state.kv_cap_ceiling)
     cap_moved = cap_move(spec, window, reading, ceiling, config, gaps_beyond_budget=budget.unexplained)
     confirmed = reading.headroom and state.headroom_streak >= config.up_confirm_intervals
@@ -295,6 +293,7 @@ def decide(
         spec, window, obs, reading, cap_moved.cap, estimate, config, confirmed_headroom=confirmed, confirmed_under=under
     )
     new_target, new_cap, new_wait = min(target_wait.new_target, cap_moved.cap), cap_moved.cap, target_wait.wait
+    note = reasons.error_budget(spec, reading.gaps, config)
 
     # 7. The tail ratio only rides along with another change: on its own it would be a decision
     # (and a push) for a second-order knob.
@@ -304,21 +303,40 @@ def decide(
         tail = tail_ratio(spec, window, new_wait, obs, config)
     if (new_target, new_cap, new_wait, budget.budget, tail) == (*in_force, window.tail_mark_ratio):
         why = reasons.hold(
-            spec, seen, reading, confirmed, gaps_beyond_budget=budget.unexplained, chunk_over_target=budget.chunk_over
+            spec, obs, reading, confirmed, gaps_beyond_budget=budget.unexplained, chunk_over_target=budget.chunk_over
         )
-        return hold(why, state)
+        return Decision(window, "hold", why + note, state, estimate)
 
     # 8. Name the direction and say why.
-    fields = (new_target, new_cap, new_wait, tail, budget.budget)
-    moved = _direction(window, fields, bounds, reading)
+    fields: Fields = (new_target, new_cap, new_wait, tail, budget.budget)
+    moved = _direction(window, fields, spec.tuning.bounds, reading)
     streak = state.headroom_streak if confirmed else None
-    reason = reasons.change(
-        spec, seen, window, _window(window, fields), reading, (budget, cap_moved, target_wait), streak
-    )
-    reason += note
+    moves = (budget, cap_moved, target_wait)
+    reason = reasons.change(spec, obs, window, _window(window, fields), reading, moves, streak) + note
     if moved == "up":
         state = replace(state, headroom_streak=0)
     return _change(window, fields, moved, reason, state, now_s, estimate)
+
+
+def _sparse(
+    spec: BatchProfileSpec,
+    window: Window,
+    obs: Observations,
+    state: PolicyState,
+    now_s: float,
+    estimate: FriendlinessEstimate | None,
+    untrusted: str,
+    config: PolicyConfig,
+) -> Decision:
+    """The decision on an interval the data gates refuse (``untrusted`` says why): a hold, or the
+    budget raise its gaps alone allow (:func:`sparse_room_budget`), never inside the cooldown."""
+    in_cooldown = state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds
+    raised = None if in_cooldown else sparse_room_budget(spec, window, obs, config, state.budget_ceiling)
+    if raised is None:
+        return Decision(window, "hold", untrusted, state, estimate)
+    reason = reasons.sparse_budget_raise(spec, obs, raised, config)
+    fields: Fields = (window.target_batch_size, window.hard_cap, window.max_wait_ms, window.tail_mark_ratio, raised)
+    return _change(window, fields, "up", reason, state, now_s, estimate)
 
 
 def _untrusted(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) -> str | None:
@@ -331,16 +349,6 @@ def _untrusted(spec: BatchProfileSpec, obs: Observations, config: PolicyConfig) 
     if not known(obs.samples) or obs.samples < config.min_samples:
         return reasons.too_sparse(obs, config)
     return None
-
-
-def _sparse_budget_raise(
-    spec: BatchProfileSpec, window: Window, obs: Observations, state: PolicyState, now_s: float, config: PolicyConfig
-) -> int | None:
-    """The budget a sparse interval may still raise (see :func:`sparse_room_budget`), or None;
-    never inside the cooldown."""
-    if state.last_change_s is not None and now_s - state.last_change_s < spec.tuning.cooldown_seconds:
-        return None
-    return sparse_room_budget(spec, window, obs, config, state.budget_ceiling)
 
 
 def _advance_streaks(state: PolicyState, spec: BatchProfileSpec, reading: Reading, config: PolicyConfig) -> PolicyState:
@@ -389,6 +397,21 @@ def _direction(window: Window, fields: Fields, bounds: WindowBounds, reading: Re
     if moved is None:  # only the tail ratio moved
         return "up" if tail > window.tail_mark_ratio else "down"
     return moved
+
+
+def direction(moves: tuple[tuple[int, int], ...], over: bool) -> Direction | None:
+    """ "up" when the window only grows, "down" when it only shrinks; a mixed move (the cap raised
+    for a backlog while target and wait fall for latency) is named by what drives it: "down"
+    while P99 is over the SLO, "up" otherwise. None when no size or wait field moved."""
+    grew = any(new > old for old, new in moves)
+    shrank = any(new < old for old, new in moves)
+    if grew and shrank:
+        return "down" if over else "up"
+    if grew:
+        return "up"
+    if shrank:
+        return "down"
+    return None
 
 
 def _window(window: Window, fields: Fields) -> Window:

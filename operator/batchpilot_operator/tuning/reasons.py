@@ -1,17 +1,22 @@
-"""The words of a decision: each reason rendered from the parts the policy decided on.
+"""The words of a decision that no single move says: the gates' holds, where P99 stands, what the
+error budget changed in the reading of the gaps, and the sentence that joins the moves' own reasons
+(each move says what it does: :mod:`~batchpilot_operator.tuning.budget`,
+:mod:`~batchpilot_operator.tuning.cap`, :mod:`~batchpilot_operator.tuning.target_wait`).
 
 No arithmetic that decides anything lives here; the texts are part of the operator's interface
-(status, events, logs) and tests pin them, so a change of wording is a change of this module only.
+(status, events, logs) and tests pin them.
 """
 
 from __future__ import annotations
 
-import math
-
 from batchpilot_operator.api.profile import BatchProfileSpec
 from batchpilot_operator.tuning.budget import BudgetMove
-from batchpilot_operator.tuning.moves import CapMove, PolicyConfig, Reading, TargetWaitMove
+from batchpilot_operator.tuning.cap import CapMove
+from batchpilot_operator.tuning.config import PolicyConfig
+from batchpilot_operator.tuning.error_budget import GapReading
 from batchpilot_operator.tuning.observations import Observations, known
+from batchpilot_operator.tuning.reading import Reading
+from batchpilot_operator.tuning.target_wait import TargetWaitMove
 from batchpilot_runtime.contract.window import Window
 
 AT_LIMITS = ", but the window is already at its limits; holding."
@@ -41,7 +46,7 @@ def sparse_budget_raise(spec: BatchProfileSpec, obs: Observations, budget: int, 
     )
 
 
-def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
+def _objective(spec: BatchProfileSpec, obs: Observations, gaps: GapReading) -> tuple[str, str]:
     """The P99 that decides (first tokens, else the gaps) and its target, as the reasons name them."""
     if spec.slo.p99_ms is not None:
         p99_ms = obs.p99_s * 1000
@@ -50,39 +55,33 @@ def _objective(spec: BatchProfileSpec, obs: Observations) -> tuple[str, str]:
     p99_text = (
         "inter-token P99 beyond the top bucket"
         if obs.itl_p99_saturated
-        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
+        else f"inter-token P99 {gaps.named_p99_s * 1000:.0f} ms"
     )
     return p99_text, f"its {spec.slo.inter_token_p99_ms:.0f} ms target"
 
 
-def cooldown(spec: BatchProfileSpec, obs: Observations, left_s: float) -> str:
-    p99_text, slo_text = _objective(spec, obs)
+def cooldown(spec: BatchProfileSpec, obs: Observations, reading: Reading, left_s: float) -> str:
+    p99_text, slo_text = _objective(spec, obs, reading.gaps)
     return f"{p99_text} vs {slo_text}, but in cooldown for {left_s:.0f} s more; holding."
 
 
-def excused(spec: BatchProfileSpec, obs: Observations, share: float, config: PolicyConfig) -> str:
-    """What the error budget excused, said after the decision's reason."""
-    return (
-        f" Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms is over its {spec.slo.inter_token_p99_ms:.0f} ms target"
-        f" this interval, within the error budget: {share:.2%} of the last hour's gaps over it"
-        f" ({config.gap_budget_share:.0%} allowed), so not cut."
-    )
-
-
-def overspent(spec: BatchProfileSpec, obs: Observations, share: float, factor: float, config: PolicyConfig) -> str:
-    """What paying back an overspent error budget changed, said after the decision's reason (which
-    names the gaps as read)."""
-    return (
-        f" The interval's inter-token P99 of {obs.itl_p99_s * 1000:.0f} ms is read {factor - 1:.0%} longer"
-        f" ({obs.itl_p99_s * factor * 1000:.0f} ms) until the error budget is paid back: {share:.2%} of the"
-        f" last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms target"
-        f" ({config.gap_budget_share:.0%} allowed)."
-    )
-
-
-def memory(obs: Observations, cap: int) -> str:
-    pressure = f"{obs.preemptions_per_s:.2g} preemptions/s"
-    return f"{pressure}: lowering the cap to {cap} (and not raising it again until memory is calm)."
+def error_budget(spec: BatchProfileSpec, gaps: GapReading, config: PolicyConfig) -> str:
+    """What the error budget changed in the reading of the gaps, said after every reason of the
+    decision past the data gates ("" when the gaps are read as they are)."""
+    if gaps.why == "excused":
+        return (
+            f" Inter-token P99 {gaps.own_p99_s * 1000:.0f} ms is over its {spec.slo.inter_token_p99_ms:.0f} ms"
+            f" target this interval, within the error budget: {gaps.hour_share:.2%} of the last hour's gaps"
+            f" over it ({config.gap_budget_share:.0%} allowed), so not cut."
+        )
+    if gaps.why == "payback":
+        return (
+            f" The interval's inter-token P99 of {gaps.own_p99_s * 1000:.0f} ms is read {gaps.factor - 1:.0%}"
+            f" longer ({gaps.own_p99_s * gaps.factor * 1000:.0f} ms) until the error budget is paid back:"
+            f" {gaps.hour_share:.2%} of the last hour's gaps were over the {spec.slo.inter_token_p99_ms:.0f} ms"
+            f" target ({config.gap_budget_share:.0%} allowed)."
+        )
+    return ""
 
 
 def at_limits(reason: str) -> str:
@@ -100,11 +99,12 @@ def hold(
     chunk_over_target: bool = False,
 ) -> str:
     """Why nothing moved past the gates: the limits, or the zone."""
-    p99_text, slo_text = _objective(spec, obs)
+    p99_text, slo_text = _objective(spec, obs, reading.gaps)
+    gap_ms = reading.gaps.named_p99_s * 1000
     if reading.itl_over and chunk_over_target:
         per_token_ms = obs.prefill_s_per_token * 1000
         return (
-            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"Inter-token P99 {gap_ms:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
             f"target and {p99_text} past half of {slo_text}, but a step's prompt chunk alone would still run "
             f"over the gap target after a cut ({per_token_ms * 1000:.1f} us a prompt token): a cut would split "
             "each long prompt into more steps over it, each stalling every decode once more; holding."
@@ -112,14 +112,14 @@ def hold(
     if reading.itl_over and gaps_beyond_budget:
         per_token_ms = obs.prefill_s_per_token * 1000
         return (
-            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"Inter-token P99 {gap_ms:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
             f"target, more than the prompt part of a step explains ({per_token_ms * 1000:.1f} us a prompt token): "
             "a smaller budget would not bring the gaps under it, only make first tokens wait, and the batch is "
             "under its cap; holding."
         )
     if reading.itl_over:
         return (
-            f"Inter-token P99 {obs.itl_p99_s * 1000:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
+            f"Inter-token P99 {gap_ms:.0f} ms over its {spec.slo.inter_token_p99_ms:.0f} ms "
             "target, but the budget and the cap are already at their limits; holding."
         )
     if reading.over:
@@ -132,7 +132,7 @@ def hold(
 
 def _lead(spec: BatchProfileSpec, obs: Observations, reading: Reading, headroom_streak: int | None) -> str:
     """Where P99 stands; ``headroom_streak`` is None unless headroom is confirmed."""
-    p99_text, slo_text = _objective(spec, obs)
+    p99_text, slo_text = _objective(spec, obs, reading.gaps)
     if reading.over:
         return f"{p99_text} over {slo_text} ({'saturated' if reading.saturated else f'{reading.ratio:.2f}x the SLO'})"
     if reading.itl_over and spec.slo.p99_ms is None:
@@ -144,67 +144,6 @@ def _lead(spec: BatchProfileSpec, obs: Observations, reading: Reading, headroom_
     return f"{p99_text} within {slo_text}"
 
 
-def _budget(spec: BatchProfileSpec, obs: Observations, reading: Reading, move: BudgetMove) -> str:
-    if move.change is None:
-        return ""
-    itl_text = (
-        "inter-token P99 beyond the top bucket"
-        if math.isinf(reading.itl)
-        else f"inter-token P99 {obs.itl_p99_s * 1000:.0f} ms"
-    )
-    target_text = f"{spec.slo.inter_token_p99_ms:.0f} ms"
-    if move.change == "lower":
-        return f"lowering the prefill budget to {move.budget} tokens ({itl_text} over its {target_text} target)"
-    need = {
-        "first_tokens": "first tokens need it",
-        "queue": f"{obs.queue_depth:.0f} prompts wait",
-        "room": "so that the next burst needs fewer steps",
-    }[move.cause or "room"]
-    return f"raising the prefill budget to {move.budget} tokens ({need}; {itl_text} leaves room under {target_text})"
-
-
-def _cap(reading: Reading, move: CapMove) -> str:
-    if move.cause == "backlog":
-        return f"raising the cap to {move.cap} ({reading.queue:.0f} waiting with the batch at its cap)"
-    if move.cause == "slow_steps":
-        why = f"steps of {reading.step_s * 1000:.0f} ms at this batch are too long for the SLO"
-        return f"lowering the cap to {move.cap} ({why})"
-    if move.cause == "floor_gaps":
-        return (
-            f"lowering the cap to {move.cap} (gaps still too long with the prefill budget at its floor or beyond "
-            "what it explains: the rest of a step is the batch's decode)"
-        )
-    if move.cause == "burst_room":
-        return f"raising the cap to {move.cap} (room for a burst over the running batch of {reading.running:.0f})"
-    return ""
-
-
-def _target_wait(window: Window, reading: Reading, move: TargetWaitMove) -> str:
-    busy_why = f"the engine decodes {reading.busy:.0%} of the time, so a held request would only join a later step"
-    text = ""
-    if move.cause == "latency":
-        text = "lowering wait and target" if move.target != window.target_batch_size else "lowering the wait"
-    elif move.cause == "busy":
-        text = f"dropping the wait ({busy_why})"
-    elif move.cause == "fill":
-        # Say what moved: with a larger target the fill time can still ask for a shorter wait.
-        moved = [
-            f"{'raising' if new > old else 'lowering'} the {name} to {new}{unit}"
-            for name, old, new, unit in (
-                ("target", window.target_batch_size, move.target, ""),
-                ("wait", window.max_wait_ms, move.wait, " ms"),
-            )
-            if new != old
-        ]
-        text = f"{' and '.join(moved)}, as far as arrivals fill them"
-    elif move.cause == "dead_band":
-        text = f"moving the wait towards {move.want_ms:.0f} ms, the time arrivals take to fill the target"
-    if move.lowered_to is not None:
-        lowered = f"lowering the target to {move.lowered_to}, what the running batch fills"
-        text = "; ".join(p for p in (text, lowered) if p)
-    return text
-
-
 def change(
     spec: BatchProfileSpec,
     obs: Observations,
@@ -214,9 +153,9 @@ def change(
     moves: tuple[BudgetMove, CapMove, TargetWaitMove],
     headroom_streak: int | None,
 ) -> str:
-    """The reason of a change, "<where P99 stands>: <each field that moved, and why>.": ``new_window``
-    holds the fields this decision puts in force; ``headroom_streak`` is None unless headroom is
-    confirmed."""
+    """The reason of a change, "<where P99 stands>: <each field that moved, and why>.", each field's
+    part the reason of the move that moved it: ``new_window`` holds the fields this decision puts in
+    force; ``headroom_streak`` is None unless headroom is confirmed."""
     budget, cap, target_wait = moves
     target_wait_moved = (new_window.target_batch_size, new_window.max_wait_ms) != (
         window.target_batch_size,
@@ -225,9 +164,9 @@ def change(
     actions = "; ".join(
         part
         for part in (
-            _budget(spec, obs, reading, budget) if new_window.max_prefill_tokens != window.max_prefill_tokens else "",
-            _target_wait(window, reading, target_wait) if target_wait_moved else "",
-            _cap(reading, cap) if new_window.hard_cap != window.hard_cap else "",
+            budget.reason if new_window.max_prefill_tokens != window.max_prefill_tokens else "",
+            target_wait.reason if target_wait_moved else "",
+            cap.reason if new_window.hard_cap != window.hard_cap else "",
         )
         if part
     )

@@ -10,8 +10,8 @@ constant the policy does, so the warning and the behaviour cannot drift apart. P
 from __future__ import annotations
 
 from batchpilot_operator.api.profile import BatchProfileSpec, Friendliness, TuningMode
+from batchpilot_operator.tuning.config import DEFAULT_CONFIG, PolicyConfig
 from batchpilot_operator.tuning.friendliness import CLASS_CAP_CEILING
-from batchpilot_operator.tuning.moves import DEFAULT_CONFIG, PolicyConfig
 
 
 def unused_settings(spec: BatchProfileSpec, config: PolicyConfig = DEFAULT_CONFIG) -> list[str]:
