@@ -123,7 +123,7 @@ def wait_for(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
     return path.read_text()
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=100, help="streams open at once")
     parser.add_argument(
@@ -148,11 +148,11 @@ def main() -> int:
         "sidecar with its own CPU request; default: all three share every CPU",
     )
     parser.add_argument("--serve-upstream", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve_upstream is not None:
-        serve_upstream(args.serve_upstream, args.tokens, args.token_gap_ms / 1000.0)
-        return 0
-    body = json.dumps({"model": "bench", "prompt": "x", "max_tokens": args.tokens, "stream": True}).encode()
+    return parser.parse_args()
+
+
+def measure_behind_processes(args: argparse.Namespace, body: bytes) -> dict[str, Any]:
+    """Starts the upstream stand-in and the gate, measures both paths, and stops the two processes."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with tempfile.TemporaryDirectory() as scratch:
@@ -181,20 +181,15 @@ def main() -> int:
                 for pid in (upstream.pid, os.getpid()):
                     pin(pid, rest)
             gate_url = RuntimeInfo.read(gate_file).serve_url
-            result = asyncio.run(measure(args, upstream_url, gate_url, body, gate.pid))
+            return asyncio.run(measure(args, upstream_url, gate_url, body, gate.pid))
         finally:
             for process in (gate, upstream):
                 if process is not None:
                     process.terminate()
                     process.wait(30)
-    result["host"] = {
-        "cpus": os.cpu_count(),
-        "gate_cpus": sorted(args.gate_cpus) if args.gate_cpus is not None else None,
-        "load_avg_1m": os.getloadavg()[0],
-        "python": platform.python_version(),
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def print_result(result: dict[str, Any], args: argparse.Namespace) -> None:
     added = result["added_ttft_ms"]
     print(
         f"direct TTFT P50 {result['direct_ms']['p50']:.2f} ms, P99 {result['direct_ms']['p99']:.2f} ms; "
@@ -204,6 +199,24 @@ def main() -> int:
         f"{result['gate_cpu_us_per_request']:.0f} us a request, {result['gate_cpu_us_per_chunk']:.0f} us a chunk; "
         f"wrote {args.json}"
     )
+
+
+def main() -> int:
+    args = _parse_args()
+    if args.serve_upstream is not None:
+        serve_upstream(args.serve_upstream, args.tokens, args.token_gap_ms / 1000.0)
+        return 0
+    body = json.dumps({"model": "bench", "prompt": "x", "max_tokens": args.tokens, "stream": True}).encode()
+    result = measure_behind_processes(args, body)
+    result["host"] = {
+        "cpus": os.cpu_count(),
+        "gate_cpus": sorted(args.gate_cpus) if args.gate_cpus is not None else None,
+        "load_avg_1m": os.getloadavg()[0],
+        "python": platform.python_version(),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print_result(result, args)
     return 0
 
 

@@ -169,6 +169,7 @@ JSON_FIELDS = (
     "decisions_per_hour",
     "window",
 )
+POLICY_ORDER = ("adaptive", "best_static", "aimd", "large_fixed")
 
 
 def target_bounds(
@@ -197,7 +198,7 @@ def target_bounds(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE_PATH, help="CSV in the Azure trace format")
     parser.add_argument("--profile", type=Path, default=None, help="BatchProfile YAML (default: 1 s TTFT chat)")
@@ -211,36 +212,132 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    began = time.perf_counter()
-    spec = load_profile_spec(args.profile) if args.profile else default_spec(DEFAULT_SLO_MS)
-    cost = load_cost_model(args.cost_profile)
-    raw = read_trace(args.trace)
+
+@dataclasses.dataclass(frozen=True)
+class SearchPlan:
+    """The grid searched and the stretch replayed: ``--quick``'s coarser grid, or the full one."""
+
+    targets: tuple[int, ...]
+    cap_factors: tuple[float, ...]
+    waits_ms: tuple[int, ...]
+    duration_s: float | None  # None: the whole trace
+    screen_minutes: float
+    finalists: int
+
+
+def search_plan(args: argparse.Namespace) -> SearchPlan:
     if args.quick:
-        targets, factors, waits = (1, 4, 16, 64, 256), (1.0, 2.0), (0, 20, 100)
         duration = args.duration or 1200.0
-        screen_min = args.screen_minutes or 5.0
-        finalists = args.finalists or 2
-    else:
-        targets, factors, waits = GRID_TARGETS, GRID_CAP_FACTORS, GRID_WAITS_MS
-        duration = args.duration
-        screen_min = args.screen_minutes or 10.0
-        finalists = args.finalists or 4
+        return SearchPlan(
+            (1, 4, 16, 64, 256), (1.0, 2.0), (0, 20, 100), duration, args.screen_minutes or 5.0, args.finalists or 2
+        )
+    return SearchPlan(
+        GRID_TARGETS, GRID_CAP_FACTORS, GRID_WAITS_MS, args.duration, args.screen_minutes or 10.0, args.finalists or 4
+    )
+
+
+def replay_requests(args: argparse.Namespace, duration_s: float | None) -> tuple[TraceScaling, list[TraceRequest]]:
+    raw = read_trace(args.trace)
     # The quick run replays the busiest stretch of the trace, so that its peaks are in it.
     start_s = 0.0
-    if duration is not None:
-        start_s, _ = busiest_span(raw, duration)
+    if duration_s is not None:
+        start_s, _ = busiest_span(raw, duration_s)
     scaling = TraceScaling(
         time_scale=args.time_scale,
         token_scale=args.token_scale,
         max_prompt_tokens=7000,
         max_output_tokens=1024,
         start_s=start_s,
-        duration_s=duration,
+        duration_s=duration_s,
     )
-    requests = scale_trace(raw, scaling)
-    screen_lo, screen_hi = busiest_span(requests, screen_min * 60.0)
+    return scaling, scale_trace(raw, scaling)
+
+
+def run_named_policies(
+    requests: list[TraceRequest], spec: Any, cost: CostModel
+) -> tuple[dict[str, PolicyRun], dict[str, float]]:
+    """adaptive, aimd and large_fixed, each with its wall time."""
+    runs: dict[str, PolicyRun] = {}
+    walls: dict[str, float] = {}
+    for name in ("adaptive", "aimd", "large_fixed"):
+        t0 = time.perf_counter()
+        runs[name] = run_policy(name, requests, spec, cost)
+        walls[name] = time.perf_counter() - t0
+        print(f"  {name}: {walls[name]:.1f} s", flush=True)
+    return runs, walls
+
+
+def run_references(requests: list[TraceRequest], spec: Any, cost: CostModel) -> dict[str, PolicyRun]:
+    # References beside the four policies: the window the profile starts from, held static (what
+    # a user gets without tuning), and work-conserving admission (target 1, the largest cap, no
+    # wait: no window holds any request back; only the KV cache limits admissions), also on a KV
+    # cache that holds the whole replay at once (what is left of P99 there is step sharing).
+    open_window = work_conserving_window(spec)
+    whole_replay_tokens = sum(r.prompt_tokens + r.output_tokens for r in requests)
+    unlimited_kv = dataclasses.replace(cost, kv_capacity_tokens=max(cost.kv_capacity_tokens or 0, whole_replay_tokens))
+    return {
+        "start_static": run_policy("static", requests, spec, cost),
+        "work_conserving": run_policy("static", requests, spec, cost, window=open_window),
+        "work_conserving_unlimited_kv": run_policy("static", requests, spec, unlimited_kv, window=open_window),
+    }
+
+
+def policy_figures(runs: dict[str, PolicyRun], walls: dict[str, float]) -> dict[str, dict[str, Any]]:
+    policies = {name: {f: runs[name].summary[f] for f in JSON_FIELDS} for name in POLICY_ORDER}
+    for name in POLICY_ORDER:
+        policies[name].update(
+            slo_met_share=runs[name].summary["slo_met_share"],
+            rejected=runs[name].summary["rejected"],
+            wall_s=walls[name],
+        )
+    return policies
+
+
+def targets_met(runs: dict[str, PolicyRun], slo_s: float) -> dict[str, bool]:
+    a, s, lf = runs["adaptive"].summary, runs["best_static"].summary, runs["large_fixed"].summary
+    return {
+        "goodput_ge_1.3x_best_static": a["goodput_tokens_per_s"] >= 1.3 * s["goodput_tokens_per_s"],
+        "adaptive_p99_within_slo": a["p99_s"] <= slo_s,
+        "adaptive_p99_le_0.3x_large_fixed": a["p99_s"] <= 0.3 * lf["p99_s"],
+        "share_wait_over_1s_le_0.6pct": a["share_wait_over_1s"] <= 0.006,
+        "batch_hit_ratio_busy_ge_0.9": a["batch_hit_ratio_busy"] >= 0.9,
+        "decisions_per_hour_le_60": a["decisions_per_hour"] <= 60,
+    }
+
+
+def goodput_and_p99_ratios(runs: dict[str, PolicyRun]) -> dict[str, float]:
+    a, s, lf = runs["adaptive"].summary, runs["best_static"].summary, runs["large_fixed"].summary
+    return {
+        "adaptive_goodput_over_best_static": a["goodput_tokens_per_s"] / max(s["goodput_tokens_per_s"], 1e-9),
+        "adaptive_p99_over_large_fixed_p99": a["p99_s"] / lf["p99_s"] if math.isfinite(lf["p99_s"]) else 0.0,
+    }
+
+
+def best_static_saturation(best: PolicyRun) -> dict[str, Any]:
+    timeline = best.result.timeline
+    return {
+        "best_static_peak_kv_usage": max((p.kv_usage_ratio for p in timeline), default=math.nan),
+        "best_static_intervals_kv_over_0.95": sum(1 for p in timeline if p.kv_usage_ratio > 0.95),
+        "best_static_peak_queue": max((p.queue_depth for p in timeline), default=0),
+        "intervals": len(timeline),
+    }
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    keys = ("policies", "ratios", "targets_met", "bounds", "references", "saturation", "wall_s")
+    print(json.dumps(json_safe({key: report[key] for key in keys}), indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    began = time.perf_counter()
+    spec = load_profile_spec(args.profile) if args.profile else default_spec(DEFAULT_SLO_MS)
+    cost = load_cost_model(args.cost_profile)
+    plan = search_plan(args)
+    scaling, requests = replay_requests(args, plan.duration_s)
+    screen_lo, screen_hi = busiest_span(requests, plan.screen_minutes * 60.0)
     screen = slice_requests(requests, screen_lo, screen_hi)
     slo_s = spec.slo.p99_ms / 1000.0
     print(
@@ -250,62 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    runs: dict[str, PolicyRun] = {}
-    walls: dict[str, float] = {}
-    for name in ("adaptive", "aimd", "large_fixed"):
-        t0 = time.perf_counter()
-        runs[name] = run_policy(name, requests, spec, cost)
-        walls[name] = time.perf_counter() - t0
-        print(f"  {name}: {walls[name]:.1f} s", flush=True)
-    # References beside the four policies: the window the profile starts from, held static (what
-    # a user gets without tuning), and work-conserving admission (target 1, the largest cap, no
-    # wait: no window holds any request back; only the KV cache limits admissions), also on a KV
-    # cache that holds the whole replay at once (what is left of P99 there is step sharing).
-    open_window = work_conserving_window(spec)
-    whole_replay_tokens = sum(r.prompt_tokens + r.output_tokens for r in requests)
-    unlimited_kv = dataclasses.replace(cost, kv_capacity_tokens=max(cost.kv_capacity_tokens or 0, whole_replay_tokens))
-    references: dict[str, PolicyRun] = {
-        "start_static": run_policy("static", requests, spec, cost),
-        "work_conserving": run_policy("static", requests, spec, cost, window=open_window),
-        "work_conserving_unlimited_kv": run_policy("static", requests, spec, unlimited_kv, window=open_window),
-    }
+    runs, walls = run_named_policies(requests, spec, cost)
+    references = run_references(requests, spec, cost)
     t0 = time.perf_counter()
-    windows = grid_windows(targets, factors, waits)
-    best, grid_info = grid_search(requests, screen, spec, cost, windows, finalists, args.workers)
+    windows = grid_windows(plan.targets, plan.cap_factors, plan.waits_ms)
+    best, grid_info = grid_search(requests, screen, spec, cost, windows, plan.finalists, args.workers)
     walls["best_static"] = time.perf_counter() - t0
     runs["best_static"] = best
     print(
         f"  best_static (grid of {len(windows)}): {walls['best_static']:.1f} s -> {best.summary['window']}", flush=True
     )
 
-    order = ("adaptive", "best_static", "aimd", "large_fixed")
-    policies = {name: {f: runs[name].summary[f] for f in JSON_FIELDS} for name in order}
-    for name in order:
-        policies[name].update(
-            slo_met_share=runs[name].summary["slo_met_share"],
-            rejected=runs[name].summary["rejected"],
-            wall_s=walls[name],
-        )
-    a, s, lf = runs["adaptive"].summary, runs["best_static"].summary, runs["large_fixed"].summary
-    targets_met = {
-        "goodput_ge_1.3x_best_static": a["goodput_tokens_per_s"] >= 1.3 * s["goodput_tokens_per_s"],
-        "adaptive_p99_within_slo": a["p99_s"] <= slo_s,
-        "adaptive_p99_le_0.3x_large_fixed": a["p99_s"] <= 0.3 * lf["p99_s"],
-        "share_wait_over_1s_le_0.6pct": a["share_wait_over_1s"] <= 0.006,
-        "batch_hit_ratio_busy_ge_0.9": a["batch_hit_ratio_busy"] >= 0.9,
-        "decisions_per_hour_le_60": a["decisions_per_hour"] <= 60,
-    }
-    bounds = target_bounds(requests, spec, cost, runs)
-    reference_figures = {
-        name: {f: run.summary[f] for f in (*JSON_FIELDS, "slo_met_share")} for name, run in references.items()
-    }
-    best_timeline = runs["best_static"].result.timeline
-    saturation = {
-        "best_static_peak_kv_usage": max((p.kv_usage_ratio for p in best_timeline), default=math.nan),
-        "best_static_intervals_kv_over_0.95": sum(1 for p in best_timeline if p.kv_usage_ratio > 0.95),
-        "best_static_peak_queue": max((p.queue_depth for p in best_timeline), default=0),
-        "intervals": len(best_timeline),
-    }
     report = {
         "slo_p99_s": slo_s,
         "latency_metric": spec.slo.latency_metric.value,
@@ -315,41 +367,23 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(requests),
         "cost_profile": cost.as_dict(),
         "quick": args.quick,
-        "policies": policies,
-        "ratios": {
-            "adaptive_goodput_over_best_static": a["goodput_tokens_per_s"] / max(s["goodput_tokens_per_s"], 1e-9),
-            "adaptive_p99_over_large_fixed_p99": a["p99_s"] / lf["p99_s"] if math.isfinite(lf["p99_s"]) else 0.0,
+        "policies": policy_figures(runs, walls),
+        "ratios": goodput_and_p99_ratios(runs),
+        "targets_met": targets_met(runs, slo_s),
+        "bounds": target_bounds(requests, spec, cost, runs),
+        "references": {
+            name: {f: run.summary[f] for f in (*JSON_FIELDS, "slo_met_share")} for name, run in references.items()
         },
-        "targets_met": targets_met,
-        "bounds": bounds,
-        "references": reference_figures,
-        "saturation": saturation,
+        "saturation": best_static_saturation(runs["best_static"]),
         "grid_search": grid_info,
         "wall_s": time.perf_counter() - began,
     }
-    text = json.dumps(json_safe(report), indent=2)
     if args.json:
-        args.json.write_text(text)
-    print(
-        json.dumps(
-            json_safe(
-                {
-                    "policies": policies,
-                    "ratios": report["ratios"],
-                    "targets_met": targets_met,
-                    "bounds": bounds,
-                    "references": reference_figures,
-                    "saturation": saturation,
-                    "wall_s": report["wall_s"],
-                }
-            ),
-            indent=1,
-        )
-    )
+        args.json.write_text(json.dumps(json_safe(report), indent=2))
+    print_summary(report)
     if args.plot:
-        plot_runs(
-            [runs[n] for n in order], slo_s, args.plot, f"{args.trace.name}: {scaling.describe()}, cost {cost.name}"
-        )
+        title = f"{args.trace.name}: {scaling.describe()}, cost {cost.name}"
+        plot_runs([runs[n] for n in POLICY_ORDER], slo_s, args.plot, title)
     return 0
 
 

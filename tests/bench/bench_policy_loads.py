@@ -91,7 +91,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE_PATH, help="CSV in the Azure trace format")
     parser.add_argument("--profile", type=Path, default=None, help="BatchProfile YAML (default: 1 s TTFT chat)")
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(load <= 0 for load in args.loads):
         parser.error("--loads must all be > 0")
+    return args
 
-    began = time.perf_counter()
-    spec = load_profile_spec(args.profile) if args.profile else default_spec()
-    cost = load_cost_model(args.cost_profile)
-    metric = LatencyMetric(spec.slo.latency_metric)
+
+def replays_by_load(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
+    """The same stretch of the trace at each arrival-rate scaling of ``--loads``."""
     raw = read_trace(args.trace)
     start_s = busiest_span(raw, args.duration)[0] if args.duration is not None else 0.0
     replays: dict[float, list[TraceRequest]] = {}
@@ -121,45 +121,78 @@ def main(argv: list[str] | None = None) -> int:
             duration_s=args.duration,
         )
         replays[load] = scale_trace(raw, scaling)
-    jobs = [(policy, load, replays[load], spec, cost) for load in args.loads for policy in POLICIES]
-    if args.workers > 1:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            results = list(pool.map(_run, jobs))
-    else:
-        results = [_run(job) for job in jobs]
+    return replays
+
+
+def run_all(
+    loads: list[float],
+    replays: dict[float, list[TraceRequest]],
+    spec: BatchProfileSpec,
+    cost: CostModel,
+    workers: int,
+) -> list[tuple[str, float, dict[str, Any]]]:
+    jobs = [(policy, load, replays[load], spec, cost) for load in loads for policy in POLICIES]
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(_run, jobs))
+    return [_run(job) for job in jobs]
+
+
+def load_row(
+    load: float,
+    requests: list[TraceRequest],
+    results: list[tuple[str, float, dict[str, Any]]],
+    cost: CostModel,
+    metric: LatencyMetric,
+) -> dict[str, Any]:
+    """One load's figures, beside its bounds; the span of the adaptive run is the offered rate's span."""
+    figures = {policy: summary for policy, at, summary in results if at == load}
+    span_s = figures["adaptive"].pop("span_s")
+    for summary in figures.values():
+        summary.pop("span_s", None)
+    offered = offered_tokens_per_s(requests, span_s)
+    floor = latency_floor_quantile_s(requests, cost, metric, 0.99)
+    large_p99 = figures["large_fixed"]["p99_s"]
+    return {
+        "load": load,
+        "requests": len(requests),
+        "offered_tokens_per_s": offered,
+        "p99_floor_s": floor,
+        "policies": figures,
+        "adaptive_goodput_over_start_static": figures["adaptive"]["goodput_tokens_per_s"]
+        / max(figures["start_static"]["goodput_tokens_per_s"], 1e-9),
+        "adaptive_p99_over_large_fixed": figures["adaptive"]["p99_s"] / large_p99,
+        "work_conserving_p99_over_large_fixed": figures["work_conserving"]["p99_s"] / large_p99,
+        "floor_over_large_fixed": floor / large_p99 if math.isfinite(large_p99) else 0.0,
+    }
+
+
+def print_row(row: dict[str, Any]) -> None:
+    figures = row["policies"]
+    a, w = figures["adaptive"], figures["work_conserving"]
+    print(
+        f"x{row['load']:<5g} offered {row['offered_tokens_per_s']:7.1f} tok/s | adaptive "
+        f"{a['goodput_tokens_per_s']:7.1f} tok/s P99 {a['p99_s']:7.3f} s | work-conserving P99 {w['p99_s']:7.3f} s "
+        f"| start static P99 {figures['start_static']['p99_s']:7.3f} s | large fixed P99 "
+        f"{figures['large_fixed']['p99_s']:7.3f} s | floor {row['p99_floor_s']:.3f} s",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    began = time.perf_counter()
+    spec = load_profile_spec(args.profile) if args.profile else default_spec()
+    cost = load_cost_model(args.cost_profile)
+    metric = LatencyMetric(spec.slo.latency_metric)
+    replays = replays_by_load(args)
+    results = run_all(args.loads, replays, spec, cost, args.workers)
 
     slo_s = spec.slo.p99_ms / 1000.0
     rows = []
     for load in args.loads:
-        figures = {policy: summary for policy, at, summary in results if at == load}
-        requests = replays[load]
-        span_s = figures["adaptive"].pop("span_s")
-        for summary in figures.values():
-            summary.pop("span_s", None)
-        offered = offered_tokens_per_s(requests, span_s)
-        floor = latency_floor_quantile_s(requests, cost, metric, 0.99)
-        large_p99 = figures["large_fixed"]["p99_s"]
-        rows.append(
-            {
-                "load": load,
-                "requests": len(requests),
-                "offered_tokens_per_s": offered,
-                "p99_floor_s": floor,
-                "policies": figures,
-                "adaptive_goodput_over_start_static": figures["adaptive"]["goodput_tokens_per_s"]
-                / max(figures["start_static"]["goodput_tokens_per_s"], 1e-9),
-                "adaptive_p99_over_large_fixed": figures["adaptive"]["p99_s"] / large_p99,
-                "work_conserving_p99_over_large_fixed": figures["work_conserving"]["p99_s"] / large_p99,
-                "floor_over_large_fixed": floor / large_p99 if math.isfinite(large_p99) else 0.0,
-            }
-        )
-        a, w = figures["adaptive"], figures["work_conserving"]
-        print(
-            f"x{load:<5g} offered {offered:7.1f} tok/s | adaptive {a['goodput_tokens_per_s']:7.1f} tok/s P99 "
-            f"{a['p99_s']:7.3f} s | work-conserving P99 {w['p99_s']:7.3f} s | start static P99 "
-            f"{figures['start_static']['p99_s']:7.3f} s | large fixed P99 {large_p99:7.3f} s | floor {floor:.3f} s",
-            flush=True,
-        )
+        rows.append(load_row(load, replays[load], results, cost, metric))
+        print_row(rows[-1])
     report = {
         "title": f"{args.trace.name}, cost {cost.name}, SLO {metric.value} P99 {slo_s:g} s",
         "slo_p99_s": slo_s,

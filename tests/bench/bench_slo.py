@@ -290,7 +290,17 @@ def steady_decisions(requests: list[TraceRequest], slo: DualSLO, cost: CostModel
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(frozen=True)
+class Settings:
+    """What the command line asks for, checked: the SLO pairs, the replay length and the bisection's step."""
+
+    args: argparse.Namespace
+    slos: tuple[DualSLO, ...]
+    minutes: float
+    tolerance: float
+
+
+def _parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE_PATH, help="Azure-format trace CSV")
     parser.add_argument("--slo-ttft-ms", type=float, help="one SLO pair instead of the three (with --slo-itl-ms)")
@@ -326,9 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--minutes must be > 0, got {minutes}")
     if args.above_edge < 0:
         parser.error(f"--above-edge must be >= 0, got {args.above_edge}")
-    tolerance = 0.02 if args.quick else 0.01
-    cost = A100_LLAMA2_7B
-    began = time.perf_counter()
+    return Settings(args, slos, minutes, 0.02 if args.quick else 0.01)
+
+
+def load_replays(settings: Settings) -> tuple[dict[str, list[TraceRequest]], dict[str, Any]]:
+    """The Azure replay and, unless ``--no-servegen``, the ServeGen days at its mean rate; with what each is."""
+    args, minutes = settings.args, settings.minutes
     replays: dict[str, list[TraceRequest]] = {"azure": azure(minutes, args.trace)}
     replay_info: dict[str, Any] = {"azure": {"trace": str(args.trace), "minutes": minutes}}
     if not args.no_servegen:
@@ -342,29 +355,42 @@ def main(argv: list[str] | None = None) -> int:
     for name, requests in replays.items():
         replay_info[name]["requests"] = len(requests)
         replay_info[name]["mean_rate_per_s"] = len(requests) / (minutes * 60.0)
-    candidates = tuple(grid(args.quick))
+    return replays, replay_info
 
-    def jobs_for(policy: str, window: Window | None, extra: tuple[Window, ...] = ()) -> list[Job]:
-        return [
-            Job(name, slo, policy, window, tuple(requests), cost, tolerance, extra, args.above_edge)
-            for name, requests in replays.items()
-            for slo in slos
-        ]
 
-    jobs = jobs_for("adaptive", STARTING_WINDOW)
-    if not args.adaptive_only:
-        jobs += (
-            jobs_for("engine_defaults", ENGINE_DEFAULTS)
-            + jobs_for("starting_window", STARTING_WINDOW)
-            + jobs_for("best_static", None, candidates)
-            + jobs_for("per_step_itl", PER_STEP_WINDOW)
+def policy_jobs(
+    settings: Settings,
+    replays: dict[str, list[TraceRequest]],
+    policy: str,
+    window: Window | None,
+    extra: tuple[Window, ...] = (),
+) -> list[Job]:
+    """One job of ``policy`` per replay and SLO pair."""
+    return [
+        Job(
+            name,
+            slo,
+            policy,
+            window,
+            tuple(requests),
+            A100_LLAMA2_7B,
+            settings.tolerance,
+            extra,
+            settings.args.above_edge,
         )
-    results = _run(jobs, args.workers)
-    # A window tuned on another replay (when there is one).
+        for name, requests in replays.items()
+        for slo in settings.slos
+    ]
+
+
+def run_tuned_elsewhere(
+    settings: Settings, replays: dict[str, list[TraceRequest]], results: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each replay under the best static window of another replay (when there is one), marked with its source."""
     best = {
         (r["replay"], r["slo"]): Window.model_validate(r["window"]) for r in results if r["policy"] == "best_static"
     }
-    tuned_on = {} if args.adaptive_only else elsewhere_sources(replays)
+    tuned_on = {} if settings.args.adaptive_only else elsewhere_sources(replays)
     elsewhere = [
         Job(
             name,
@@ -372,17 +398,36 @@ def main(argv: list[str] | None = None) -> int:
             "tuned_elsewhere",
             best[(other, slo.label())],
             tuple(replays[name]),
-            cost,
-            tolerance,
-            above_edge=args.above_edge,
+            A100_LLAMA2_7B,
+            settings.tolerance,
+            above_edge=settings.args.above_edge,
         )
         for name, other in tuned_on.items()
         if other is not None
-        for slo in slos
+        for slo in settings.slos
     ]
-    for result in _run(elsewhere, args.workers):
+    ran = _run(elsewhere, settings.args.workers)
+    for result in ran:
         result["tuned_on"] = tuned_on[result["replay"]]
-        results.append(result)
+    return ran
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = _parse_args(argv)
+    args, slos, cost, tolerance = settings.args, settings.slos, A100_LLAMA2_7B, settings.tolerance
+    began = time.perf_counter()
+    replays, replay_info = load_replays(settings)
+    candidates = tuple(grid(args.quick))
+    jobs = policy_jobs(settings, replays, "adaptive", STARTING_WINDOW)
+    if not args.adaptive_only:
+        jobs += (
+            policy_jobs(settings, replays, "engine_defaults", ENGINE_DEFAULTS)
+            + policy_jobs(settings, replays, "starting_window", STARTING_WINDOW)
+            + policy_jobs(settings, replays, "best_static", None, candidates)
+            + policy_jobs(settings, replays, "per_step_itl", PER_STEP_WINDOW)
+        )
+    results = _run(jobs, args.workers)
+    results += run_tuned_elsewhere(settings, replays, results)
     change = step_cost_change(replays["azure"], slos[0], cost, tolerance)
     adaptive_capacity = next(
         r["capacity"]

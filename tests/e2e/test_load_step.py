@@ -199,83 +199,107 @@ def _lowered(window: dict[str, Any], before: dict[str, Any]) -> bool:
     )
 
 
+def _wait_for_the_profile_window_on_both_runtimes(release: LoadRelease) -> None:
+    """Both runtimes get the profile's window, and Prometheus scrapes both."""
+    release.wait(
+        lambda: release.condition("Synced").get("status") == "True" and release.status()["pods"]["synced"] == REPLICAS,
+        120,
+        "both pods Synced",
+    )
+    assert [release.admin_window(runtime)["hardCap"] for runtime in release.runtimes] == [16] * REPLICAS
+    release.wait(release.prometheus.targets_up, 60, "Prometheus to scrape both runtimes")
+
+
+def _set_the_slo_from_a_light_load(
+    release: LoadRelease, loads: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> tuple[float, float]:
+    """Light load: metrics flow; the SLO is set to 3x the P99 it gives on this machine. Returns the light-load
+    P99 and the SLO, in ms; the light load goes on (in ``loads``)."""
+    loads.append(load_step.start_light_load(release.endpoints, tmp_path / "light.log"))
+    release.wait(lambda: release.condition("MetricsAvailable").get("status") == "True", 90, "metrics")
+    light_p99_ms = release.wait(lambda: release.status()["observed"]["p99Ms"], 30, "a light-load P99")
+    slo_ms = load_step.slo_from_light_p99(light_p99_ms)
+    patch = {"spec": {"slo": {"p99Ms": round(slo_ms)}}}
+    release.api.patch(
+        f"/apis/{API_VERSION}/namespaces/{release.namespace}/{PLURAL}/{PROFILE}",
+        content=json.dumps(patch),
+        headers={"Content-Type": "application/merge-patch+json"},
+    ).raise_for_status()
+    release.wait(lambda: release.condition("Synced").get("observedGeneration") == 2, 30, "generation 2 observed")
+    return light_p99_ms, slo_ms
+
+
+def _assert_the_step_lowers_the_window_within_three_intervals(
+    release: LoadRelease, before: dict[str, Any], step: subprocess.Popen[bytes], slo_ms: float
+) -> None:
+    """Intervals are counted in the operator's own decisions, from the first interval whose observation has P99
+    over the SLO (the status carries both in one patch); the step is stopped once the window is lowered."""
+    release.wait(lambda: release.status()["observed"]["p99Ms"] > slo_ms, 120, f"P99 over the SLO ({slo_ms:.0f} ms)")
+    decisions_at_first_miss = release.decisions()
+    release.wait(lambda: _lowered(release.status()["window"], before), 120, "a lowered window")
+    decisions_at_down = release.decisions()
+    # The first over-SLO interval counts as one: the lowering comes within it or the next two.
+    assert decisions_at_down - decisions_at_first_miss <= 2, (decisions_at_first_miss, decisions_at_down)
+    status = release.status()
+    print(f"lowered {decisions_at_down - decisions_at_first_miss:g} decisions after the first P99 over the SLO: "
+          f"{before} -> {status['window']} ({status['lastDecision']})")  # fmt: skip
+    assert status["lastDecision"]["reason"] and status["lastDecision"]["time"]
+    assert status["observed"]["p99Ms"] > slo_ms
+    assert release.condition("SLOMet")["status"] == "False"
+    load_step.stop_load(step)  # what follows does not need it
+
+
+def _wait_for_the_status_and_both_runtimes_to_agree(release: LoadRelease) -> dict[str, Any]:
+    """The window in force once the server's status and both runtimes agree on it. The operator keeps deciding
+    every interval (the light load goes on), so agreement is awaited between two pushes."""
+
+    def agreed() -> dict[str, Any] | None:
+        status = release.status()
+        synced = next(c for c in status["conditions"] if c["type"] == "Synced")
+        if status["pods"]["synced"] != REPLICAS or synced["status"] != "True":
+            return None
+        in_force = {k: v for k, v in status["window"].items() if k != "appliedAt"}
+        windows = [release.admin_window(runtime) for runtime in release.runtimes]
+        if all(window == in_force for window in windows) and release.status()["window"] == status["window"]:
+            return in_force
+        return None
+
+    return dict(release.wait(agreed, 60, "the status and both runtimes to agree on the window"))
+
+
+def _assert_a_decision_event_names_the_generation_in_force(release: LoadRelease, in_force: dict[str, Any]) -> None:
+    release.wait(
+        lambda: any(e["reason"] in ("DecisionDown", "DecisionUp") for e in release.events()), 30, "a Decision Event"
+    )
+    described_generation = f"gen={in_force['generation']}"
+    release.wait(
+        lambda: any(described_generation in e["message"] for e in release.events()),
+        30,
+        f"an Event for the window in force ({described_generation})",
+    )
+    assert all(e["involvedObject"]["namespace"] == release.namespace for e in release.events())
+
+
 def test_a_load_step_over_the_slo_lowers_the_window_on_the_server_and_in_the_runtimes(
     release: LoadRelease, tmp_path: Path
 ) -> None:
     loads: list[subprocess.Popen[bytes]] = []
     try:
-        # 1. Both runtimes get the profile's window, and Prometheus scrapes both.
-        release.wait(
-            lambda: (
-                release.condition("Synced").get("status") == "True" and release.status()["pods"]["synced"] == REPLICAS
-            ),
-            120,
-            "both pods Synced",
-        )
-        assert [release.admin_window(runtime)["hardCap"] for runtime in release.runtimes] == [16] * REPLICAS
-        release.wait(release.prometheus.targets_up, 60, "Prometheus to scrape both runtimes")
-
-        # 2. Light load: metrics flow; the SLO is set to 3x the P99 it gives on this machine.
-        loads.append(load_step.start_light_load(release.endpoints, tmp_path / "light.log"))
-        release.wait(lambda: release.condition("MetricsAvailable").get("status") == "True", 90, "metrics")
-        light_p99_ms = release.wait(lambda: release.status()["observed"]["p99Ms"], 30, "a light-load P99")
-        slo_ms = load_step.slo_from_light_p99(light_p99_ms)
-        patch = {"spec": {"slo": {"p99Ms": round(slo_ms)}}}
-        release.api.patch(
-            f"/apis/{API_VERSION}/namespaces/{release.namespace}/{PLURAL}/{PROFILE}",
-            content=json.dumps(patch),
-            headers={"Content-Type": "application/merge-patch+json"},
-        ).raise_for_status()
-        release.wait(lambda: release.condition("Synced").get("observedGeneration") == 2, 30, "generation 2 observed")
+        # 1. Both runtimes get the profile's window.
+        _wait_for_the_profile_window_on_both_runtimes(release)
+        # 2. The SLO from a light load.
+        light_p99_ms, slo_ms = _set_the_slo_from_a_light_load(release, loads, tmp_path)
         before = release.status()["window"]
-
-        # 3. The step. Intervals are counted in the operator's own decisions, from the first interval whose
-        #    observation has P99 over the SLO (the status carries both in one patch).
+        # 3. The step.
         step, described = load_step.start_step(release.endpoints, release.capacity_per_s, tmp_path / "step.log")
         loads.append(step)
         print(f"SLO {slo_ms:.0f} ms (light P99 {light_p99_ms:.1f} ms); {described}")
-        release.wait(lambda: release.status()["observed"]["p99Ms"] > slo_ms, 120, f"P99 over the SLO ({slo_ms:.0f} ms)")
-        decisions_at_first_miss = release.decisions()
-        release.wait(lambda: _lowered(release.status()["window"], before), 120, "a lowered window")
-        decisions_at_down = release.decisions()
-        # The first over-SLO interval counts as one: the lowering comes within it or the next two.
-        assert decisions_at_down - decisions_at_first_miss <= 2, (decisions_at_first_miss, decisions_at_down)
-        status = release.status()
-        print(f"lowered {decisions_at_down - decisions_at_first_miss:g} decisions after the first P99 over the SLO: "
-              f"{before} -> {status['window']} ({status['lastDecision']})")  # fmt: skip
-        assert status["lastDecision"]["reason"] and status["lastDecision"]["time"]
-        assert status["observed"]["p99Ms"] > slo_ms
-        assert release.condition("SLOMet")["status"] == "False"
-        load_step.stop_load(step)  # what follows does not need it
-
-        # 4. The server's status and both runtimes agree on the window in force. The operator keeps deciding
-        #    every interval (the light load goes on), so agreement is awaited between two pushes.
-        def agreed() -> dict[str, Any] | None:
-            status = release.status()
-            synced = next(c for c in status["conditions"] if c["type"] == "Synced")
-            if status["pods"]["synced"] != REPLICAS or synced["status"] != "True":
-                return None
-            in_force = {k: v for k, v in status["window"].items() if k != "appliedAt"}
-            windows = [release.admin_window(runtime) for runtime in release.runtimes]
-            if all(window == in_force for window in windows) and release.status()["window"] == status["window"]:
-                return in_force
-            return None
-
-        in_force = release.wait(agreed, 60, "the status and both runtimes to agree on the window")
+        _assert_the_step_lowers_the_window_within_three_intervals(release, before, step, slo_ms)
+        # 4. The server's status and both runtimes agree on the window in force.
+        in_force = _wait_for_the_status_and_both_runtimes_to_agree(release)
         assert in_force["generation"] > before["generation"]
-
         # 5. The decisions are Events on the server; one names the generation in force.
-        release.wait(
-            lambda: any(e["reason"] in ("DecisionDown", "DecisionUp") for e in release.events()), 30, "a Decision Event"
-        )
-        described_generation = f"gen={in_force['generation']}"
-        release.wait(
-            lambda: any(described_generation in e["message"] for e in release.events()),
-            30,
-            f"an Event for the window in force ({described_generation})",
-        )
-        assert all(e["involvedObject"]["namespace"] == release.namespace for e in release.events())
-
+        _assert_a_decision_event_names_the_generation_in_force(release, in_force)
         # 6. Nothing the operator asked of the server was refused, through the whole run.
         assert release.operator.refused() == []
     finally:

@@ -251,7 +251,8 @@ def restart_prometheus(old: PrometheusProcess) -> PrometheusProcess:
     return PrometheusProcess(process, old.url, old.log_path)
 
 
-async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: Env) -> None:
+async def start_prometheus_operator_and_profile(env: Env) -> OperatorProcess:
+    """Prometheus scraping the pod every second, the Ready pod, the first operator, and the profile (cap 64)."""
     env.prometheus = start_prometheus(
         env.workdir / "prometheus",
         [ScrapeTarget(f"{env.ip}:{env.port}", {"namespace": env.namespace, "pod": "chat-0"})],
@@ -272,8 +273,12 @@ async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: 
         "runtime": {"adminPort": env.port, "servePort": env.port},
     }
     env.plane.apply(make_manifest(spec, name=MODEL, namespace=env.namespace))
+    return first
 
-    # 0. The pod runs cap 64, preempts, and the operator lowers the cap under what the KV cache holds.
+
+async def wait_for_the_memory_ceiling(env: Env) -> None:
+    """The pod runs cap 64, preempts, and the operator lowers the cap under what the KV cache holds."""
+
     async def learned() -> dict[str, Any] | None:
         policy = (await env.status()).get("policy") or {}
         ceiling = policy.get("kvCapCeiling")
@@ -284,11 +289,13 @@ async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: 
     await wait_for(learned, 120, "the memory ceiling under the KV limit", interval_s=0.2)
     await wait_for(env.agree, 30, "status and pod to agree", interval_s=0.2)
 
-    # 1. SIGKILL the operator (at whatever point of its loop it is) and start another. What it learned is
-    #    on the server only, in the status the server kept.
+
+async def assert_a_successor_keeps_the_memory(env: Env, first: OperatorProcess) -> tuple[OperatorProcess, int]:
+    """SIGKILLs the operator (at whatever point of its loop it is) and starts another; what it learned is on the
+    server only, in the status the server kept. Returns the successor and the ceiling it kept."""
     first.kill()
     before = await env.status()
-    ceiling = before["policy"]["kvCapCeiling"]
+    ceiling: int = before["policy"]["kvCapCeiling"]
     restarted_s = time.monotonic()
     second = env.start_operator()
     await env.wait_decisions(second, 1, "the new operator")
@@ -303,36 +310,55 @@ async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: 
     await env.wait_decisions(second, 5, "the new operator")
     assert env.runtime.preempted_since(restarted_s) == [], "the cap climbed back into preemption"
     assert (await env.status())["policy"]["kvCapCeiling"] == ceiling
+    return second, ceiling
 
-    # 2. The runtime restarts: start-up window, generation 0. The window in force comes back within
-    #    two intervals (level-triggered: the readback of every interval sees generation 0).
+
+async def assert_a_restarted_runtime_gets_the_window_back(env: Env, operator: OperatorProcess, ceiling: int) -> None:
+    """The runtime restarts: start-up window, generation 0. The window in force comes back within two
+    intervals (level-triggered: the readback of every interval sees generation 0)."""
     in_force = await env.in_force()
-    at_restart = await env.decisions(second)
+    at_restart = await env.decisions(operator)
     env.runtime.restart()
     await wait_for(env.agree, 30, "the window in force on the restarted pod", interval_s=0.2)
-    assert await env.decisions(second) - at_restart <= 2
+    assert await env.decisions(operator) - at_restart <= 2
     assert env.pod_window()["hardCap"] == in_force["hardCap"] <= ceiling
     assert (await env.status())["policy"]["kvCapCeiling"] == ceiling
 
-    # 3. Prometheus dies: the operator holds and says so; nothing it learned moves.
+
+async def assert_the_operator_holds_without_prometheus_and_resumes(
+    env: Env, operator: OperatorProcess, ceiling: int
+) -> None:
+    """Prometheus dies: the operator holds and says so; nothing it learned moves. Prometheus comes back on the
+    same port with the same data: counted from its first answer for the pod's requests again, the operator
+    observes within two intervals."""
     assert env.prometheus is not None
     env.prometheus.process.kill()
     env.prometheus.process.wait()
     await env.wait_condition("MetricsAvailable", "False")
     held = await env.status()
-    at_outage = await env.decisions(second)
-    await env.wait_decisions(second, at_outage + 3, "the operator without Prometheus")
+    at_outage = await env.decisions(operator)
+    await env.wait_decisions(operator, at_outage + 3, "the operator without Prometheus")
     now = await env.status()
     assert now["window"] == held["window"] and now["policy"] == held["policy"]
     assert now["policy"]["kvCapCeiling"] == ceiling
-    #    ... and comes back: same port, same data. Counted from the first answer Prometheus has for
-    #    the pod's requests again, the operator observes within two intervals.
     env.prometheus = restart_prometheus(env.prometheus)
     query = f"sum by (namespace, model) (rate({rm.REQUESTS_TOTAL}[4s]))"
     await wait_for(lambda: answers(env.prometheus, query), 60, "Prometheus to have rates again")
-    at_data = await env.decisions(second)
+    at_data = await env.decisions(operator)
     await env.wait_condition("MetricsAvailable", "True")
-    assert await env.decisions(second) - at_data <= 2
+    assert await env.decisions(operator) - at_data <= 2
     assert (await env.status())["policy"]["kvCapCeiling"] == ceiling
+
+
+async def test_operator_runtime_and_prometheus_killed_in_turn_lose_nothing(env: Env) -> None:
+    first = await start_prometheus_operator_and_profile(env)
+    # 0. The operator learns a memory ceiling.
+    await wait_for_the_memory_ceiling(env)
+    # 1. The operator is killed; its successor keeps the memory.
+    second, ceiling = await assert_a_successor_keeps_the_memory(env, first)
+    # 2. The runtime restarts.
+    await assert_a_restarted_runtime_gets_the_window_back(env, second, ceiling)
+    # 3. Prometheus dies and comes back.
+    await assert_the_operator_holds_without_prometheus_and_resumes(env, second, ceiling)
     assert second.process.poll() is None, second.log_text()[-3000:]
     assert "policy memory in status not used" not in second.log_text()

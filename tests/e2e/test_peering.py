@@ -128,12 +128,8 @@ def _in_force(plane: ControlPlane, namespace: str) -> dict[str, Any]:
     return {k: v for k, v in _status(plane, namespace).get("window", {}).items() if k != "appliedAt"}
 
 
-def test_the_standby_stays_live_takes_over_within_the_peering_lifetime_and_heals_a_restarted_runtime(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    plane = control_plane
-    work = tmp_path_factory.mktemp("peering")
-    namespace = plane.namespace("bp-peer")
+def _install_release(plane: ControlPlane, namespace: str, work: Path) -> Path:
+    """Installs the chart with peering, two operator replicas and one static profile; returns the admin token file."""
     values = {
         "operator": {"replicas": 2, "peering": {"enabled": True}, "prometheusUrl": "http://127.0.0.1:9/"},
         "runtime": {"kvCacheTokens": 4096, "terminationGracePeriodSeconds": 10},
@@ -157,7 +153,57 @@ def test_the_standby_stays_live_takes_over_within_the_peering_lifetime_and_heals
         "delete", "crd", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "--ignore-not-found", "--wait"
     )
     helm(plane, "install", RELEASE, CHART, "--namespace", namespace, "--values", values_file)
-    token_file = admin_token_file(plane, namespace, f"{RELEASE}-batchpilot-admin-token", work / "admin-token")
+    return admin_token_file(plane, namespace, f"{RELEASE}-batchpilot-admin-token", work / "admin-token")
+
+
+def _assert_both_stay_live_and_the_standby_stays_paused(
+    first: HollowOperator, second: HollowOperator, logs: list[Path]
+) -> None:
+    """Both replicas probed every second through the watch checks, no failure; the standby never ticks and never
+    registers the profile (its watch is kopf's, closed while paused)."""
+    failures = _probe_until_watch_checks(IDLE_WATCH_CHECKS, [first, second], logs)
+    assert failures == [], "\n".join(failures)
+    for replica in (first, second):
+        assert "watch stuck" not in replica.text(), replica.text()[-3000:]
+    assert _ticks(second) == 0 and "registered" not in second.text(), second.text()[-3000:]
+
+
+def _assert_the_standby_takes_over_a_spec_change(
+    plane: ControlPlane, namespace: str, second: HollowOperator, resumed_before: int, logs: list[Path]
+) -> None:
+    """With the active replica dead, a spec change is acted on only by a replica that took over."""
+    window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
+    patch = json.dumps({"spec": {"window": window}})
+    plane.kubectl("patch", "batchprofile", PROFILE, "-n", namespace, "--type=merge", "-p", patch)
+    _wait(lambda: _observed(plane, namespace) == 2, LIFETIME_S + TAKEOVER_MARGIN_S, "the standby to take over", logs)
+    assert second.text().count("Resuming operations after the pause") == resumed_before + 1
+    assert "registered" in second.text()
+    status = _status(plane, namespace)
+    assert status["window"]["hardCap"] == 12 and status["window"]["generation"] == 2, status
+
+
+def _assert_the_new_active_heals_a_restarted_runtime(
+    plane: ControlPlane, namespace: str, second: HollowOperator, runtime: HollowRuntime, token: str, logs: list[Path]
+) -> None:
+    """The runtime restarts (its container, same pod and address: the start-up window at generation 0); the new
+    active replica pushes the window in force again, and its own watch checks pass."""
+    runtime.restart()
+    _wait(lambda: _admin_window(runtime, token) == _in_force(plane, namespace), PUSH_TIMEOUT_S,
+          "the new active replica to heal the restarted runtime", logs)  # fmt: skip
+    assert _in_force(plane, namespace)["generation"] == 2  # the same window, not a new decision
+    failures = _probe_until_watch_checks(3, [second], logs)
+    assert failures == [], "\n".join(failures)
+    assert "watch stuck" not in second.text(), second.text()[-3000:]
+    assert second.refused() == []
+
+
+def test_the_standby_stays_live_takes_over_within_the_peering_lifetime_and_heals_a_restarted_runtime(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    plane = control_plane
+    work = tmp_path_factory.mktemp("peering")
+    namespace = plane.namespace("bp-peer")
+    token_file = _install_release(plane, namespace, work)
     token = token_file.read_text()
     runtimes: list[HollowRuntime] = []
 
@@ -185,41 +231,19 @@ def test_the_standby_stays_live_takes_over_within_the_peering_lifetime_and_heals
         # as kopf starts one whose peering is required, logs no "Pausing" line).
         _wait(lambda: _peer_priorities(plane) >= {10, 20}, 60, "the standby's peer record", logs)
 
-        # 2. The idle period: both replicas probed every second through the watch checks, no failure; the standby
-        #    never ticks and never registers the profile (its watch is kopf's, closed while paused).
-        failures = _probe_until_watch_checks(IDLE_WATCH_CHECKS, [first, second], logs)
-        assert failures == [], "\n".join(failures)
-        for replica in (first, second):
-            assert "watch stuck" not in replica.text(), replica.text()[-3000:]
-        assert _ticks(second) == 0 and "registered" not in second.text(), second.text()[-3000:]
+        # 2. The idle period.
+        _assert_both_stay_live_and_the_standby_stays_paused(first, second, logs)
         resumed_before = second.text().count("Resuming operations after the pause")
 
-        # 3. The active one is killed; a spec change is then acted on only by a replica that took over.
+        # 3. The active one is killed.
         first.process.send_signal(signal.SIGKILL)
         first.process.wait(timeout=30)
-        window = {"targetBatchSize": 6, "hardCap": 12, "maxWaitMs": 10}
-        patch = json.dumps({"spec": {"window": window}})
-        plane.kubectl("patch", "batchprofile", PROFILE, "-n", namespace, "--type=merge", "-p", patch)
-        _wait(
-            lambda: _observed(plane, namespace) == 2, LIFETIME_S + TAKEOVER_MARGIN_S, "the standby to take over", logs
-        )
-        assert second.text().count("Resuming operations after the pause") == resumed_before + 1
-        assert "registered" in second.text()
-        status = _status(plane, namespace)
-        assert status["window"]["hardCap"] == 12 and status["window"]["generation"] == 2, status
+        _assert_the_standby_takes_over_a_spec_change(plane, namespace, second, resumed_before, logs)
         _wait(lambda: _admin_window(runtime, token) == _in_force(plane, namespace), PUSH_TIMEOUT_S,
               "the new active replica to push the change", logs)  # fmt: skip
 
-        # 4. The runtime restarts (its container, same pod and address: the start-up window at generation 0);
-        #    the new active replica pushes the window in force again, and its own watch checks pass.
-        runtime.restart()
-        _wait(lambda: _admin_window(runtime, token) == _in_force(plane, namespace), PUSH_TIMEOUT_S,
-              "the new active replica to heal the restarted runtime", logs)  # fmt: skip
-        assert _in_force(plane, namespace)["generation"] == 2  # the same window, not a new decision
-        failures = _probe_until_watch_checks(3, [second], logs)
-        assert failures == [], "\n".join(failures)
-        assert "watch stuck" not in second.text(), second.text()[-3000:]
-        assert second.refused() == []
+        # 4. The runtime restarts.
+        _assert_the_new_active_heals_a_restarted_runtime(plane, namespace, second, runtime, token, logs)
     finally:
         stop_process(first.process)
         if second is not None:

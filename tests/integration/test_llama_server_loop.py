@@ -144,30 +144,74 @@ def fields(window: dict[str, Any]) -> dict[str, Any]:
 _P99_NAMED = re.compile(r"P99 (?:beyond )?([0-9]+) ms")
 
 
-async def test_a_load_step_over_the_first_token_slo_moves_the_gates_window_and_the_p99_comes_back(
-    engine: LlamaServer, tmp_path: Path
-) -> None:
-    # 0. This machine as it is now, through a gate of its own (the loop's gate starts with fresh metrics).
+async def calibrate(engine: LlamaServer, tmp_path: Path) -> tuple[float, int, float]:
+    """This machine as it is now, through a gate of its own (the loop's gate starts with fresh metrics): the
+    capacity in requests per second, the first-token SLO in ms and the operator's interval in seconds."""
     with gate_thread(tmp_path / "calibration", engine.url, START, max_hard_cap=SLOTS, model_name=MODEL) as gate:
         capacity, light_p99_s = await measure(gate)
     slo_ms = max(1, round(SLO_OVER_LIGHT_P99 * light_p99_s * 1000))
     interval_s = min(15.0, max(2.0, round(2 * MIN_SAMPLES / capacity, 1)))
-    profiles, status_file, log_path = tmp_path / "profiles.yaml", tmp_path / "status.json", tmp_path / "local.log"
-    write_profile(profiles, slo_ms)
+    return capacity, slo_ms, interval_s
+
+
+def start_local_operator(
+    gate: GateThread, engine: LlamaServer, tmp_path: Path, interval_s: float, log_path: Path
+) -> subprocess.Popen[bytes]:
+    """``batchpilot-operator local`` on tmp_path's profiles.yaml, writing status.json, the gate as its runtime."""
+    token_file = tmp_path / "gate-token"
+    token_file.write_text(gate.token)
+    runtime = (f"model={MODEL},engine=llamacpp,url={gate.serve_url},admin={gate.admin_url},"
+               f"token-file={token_file},engine-url={engine.url},name={MODEL}-0")  # fmt: skip
+    command = [sys.executable, "-m", "batchpilot_operator.cli.main", "local", "--profiles",
+               str(tmp_path / "profiles.yaml"), "--runtime", runtime, "--interval", str(interval_s),
+               "--status-file", str(tmp_path / "status.json")]  # fmt: skip
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def assert_the_decision_went_down_for_the_p99(moved: dict[str, Any], slo_ms: int) -> str:
+    """The 'down' decision's reason names the P99 it read over the SLO and the move, its window lowers the wait
+    at the cap of llama-server's slots, and its observation carries llama-server's own figures. Returns the
+    reason."""
+    reason: str = moved["lastDecision"]["reason"]
+    assert f"over SLO {slo_ms} ms" in reason, reason
+    named = _P99_NAMED.search(reason)
+    assert named is not None and int(named.group(1)) > slo_ms, reason
+    assert "lowering the wait" in reason or "lowering wait and target" in reason, reason
+    decided_window = moved["window"]
+    assert decided_window["hardCap"] == SLOTS
+    assert decided_window["maxWaitMs"] < START.max_wait_ms
+    # What llama-server itself reported, as the operator read it beside the gate's figures.
+    observed = moved["observed"]
+    assert observed["p99Ms"] > slo_ms
+    assert 1.0 <= observed["meanBatchSize"] <= SLOTS, observed  # its busy slots per decode call
+    assert observed["tokensPerSecond"] > 0, observed  # its tokens_predicted_total
+    assert "queueDepth" in observed, observed  # the gate's queue plus its requests_deferred
+    return reason
+
+
+def assert_one_down_decision_printed(log_path: Path, reason: str, operator: subprocess.Popen[bytes]) -> None:
+    text = log_path.read_text()
+    printed = [line for line in text.splitlines() if f"demo/{MODEL} model={MODEL} mode=adaptive down:" in line]
+    assert len(printed) == 1, text[-3000:]
+    assert f"(llamacpp: --parallel {SLOTS})" in printed[0] and reason in printed[0], printed[0]
+    assert operator.returncode in (0, -15), text[-3000:]
+
+
+async def test_a_load_step_over_the_first_token_slo_moves_the_gates_window_and_the_p99_comes_back(
+    engine: LlamaServer, tmp_path: Path
+) -> None:
+    # 0. This machine as it is now.
+    capacity, slo_ms, interval_s = await calibrate(engine, tmp_path)
+    status_file, log_path = tmp_path / "status.json", tmp_path / "local.log"
+    write_profile(tmp_path / "profiles.yaml", slo_ms)
 
     def status() -> dict[str, Any]:
         return dict(json.loads(status_file.read_text()).get(f"demo/{MODEL}") or {}) if status_file.exists() else {}
 
     settings = {"max_hard_cap": SLOTS, "max_queue": GATE_MAX_QUEUE, "model_name": MODEL}
     with gate_thread(tmp_path / "gate", engine.url, START, **settings) as gate:
-        token_file = tmp_path / "gate-token"
-        token_file.write_text(gate.token)
-        runtime = (f"model={MODEL},engine=llamacpp,url={gate.serve_url},admin={gate.admin_url},"
-                   f"token-file={token_file},engine-url={engine.url},name={MODEL}-0")  # fmt: skip
-        command = [sys.executable, "-m", "batchpilot_operator.cli.main", "local", "--profiles", str(profiles),
-                   "--runtime", runtime, "--interval", str(interval_s), "--status-file", str(status_file)]  # fmt: skip
-        with log_path.open("wb") as log:
-            operator = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220 - returns at once
+        operator = start_local_operator(gate, engine, tmp_path, interval_s, log_path)
         step: asyncio.Task[LoadSummary] | None = None
         light: asyncio.Task[LoadSummary] | None = None
         guard_s = WAIT_INTERVALS * interval_s
@@ -182,20 +226,8 @@ async def test_a_load_step_over_the_first_token_slo_moves_the_gates_window_and_t
                 return now if (now.get("lastDecision") or {}).get("direction") == "down" else None
 
             moved = await wait_for(decided, guard_s, f"a 'down' decision ({context})")
-            reason = moved["lastDecision"]["reason"]
-            assert f"over SLO {slo_ms} ms" in reason, reason
-            named = _P99_NAMED.search(reason)
-            assert named is not None and int(named.group(1)) > slo_ms, reason
-            assert "lowering the wait" in reason or "lowering wait and target" in reason, reason
+            reason = assert_the_decision_went_down_for_the_p99(moved, slo_ms)
             decided_window = moved["window"]
-            assert decided_window["hardCap"] == SLOTS
-            assert decided_window["maxWaitMs"] < START.max_wait_ms
-            # What llama-server itself reported, as the operator read it beside the gate's figures.
-            observed = moved["observed"]
-            assert observed["p99Ms"] > slo_ms
-            assert 1.0 <= observed["meanBatchSize"] <= SLOTS, observed  # its busy slots per decode call
-            assert observed["tokensPerSecond"] > 0, observed  # its tokens_predicted_total
-            assert "queueDepth" in observed, observed  # the gate's queue plus its requests_deferred
 
             # 2. The gate answers the decided window, generation included (pushed after status is written).
             await wait_for(
@@ -220,11 +252,7 @@ async def test_a_load_step_over_the_first_token_slo_moves_the_gates_window_and_t
                     await stop(task)
             operator.terminate()
             operator.wait(timeout=30)
-    text = log_path.read_text()
-    printed = [line for line in text.splitlines() if f"demo/{MODEL} model={MODEL} mode=adaptive down:" in line]
-    assert len(printed) == 1, text[-3000:]
-    assert f"(llamacpp: --parallel {SLOTS})" in printed[0] and reason in printed[0], printed[0]
-    assert operator.returncode in (0, -15), text[-3000:]
+    assert_one_down_decision_printed(log_path, reason, operator)
 
 
 async def stop(task: asyncio.Task[LoadSummary]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.fake_admin import ROOT_POD, FakeAdminServer
+from tests.integration.fake_admin import ROOT_POD, FakeAdminServer, FakePod
 from tests.integration.kmock_cluster import (
     PROFILES,
     KubeCluster,
@@ -61,6 +61,61 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[KubeCluster, str, dict[str,
         await fake.stop()
 
 
+async def assert_a_new_profile_reaches_the_ready_pod_only(
+    cluster: KubeCluster, api: httpx.AsyncClient, port: int, first: FakePod, second: FakePod
+) -> None:
+    """A new profile: the Ready pod gets the spec's window; status says so."""
+    await create(api, PROFILES_PATH, profile_body("ml", "chat", spec(port)))
+    await wait_for(lambda: first.state.window.generation >= 1, 60, "the Ready pod to get the window")
+    assert first.state.window.hard_cap == 16 and second.puts == 0
+    synced = await wait_for(
+        lambda: (c := condition(cluster, "chat", "Synced")) and c["status"] == "True" and c, 30, "Synced=True"
+    )
+    assert synced["observedGeneration"] == 1
+    status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
+    assert status["pods"] == {"total": 2, "ready": 1, "synced": 1, "summary": "1/1"}
+    # The push on create can land before the first observation tick (MetricsAvailable
+    # is Unknown/Pending until then); the fake Prometheus has no series for the model.
+    await wait_for(
+        lambda: (c := condition(cluster, "chat", "MetricsAvailable")) and c["status"] == "False" and c,
+        30,
+        "MetricsAvailable=False",
+    )
+
+
+async def assert_status_conflicts_and_failed_pushes_leave_a_complete_status(
+    cluster: KubeCluster, second: FakePod
+) -> None:
+    """A status patch that conflicts (409) twice: the loop goes on and the status ends complete."""
+    cluster.fail_status_patches = 2
+    second.fail_next = 100  # and a pod whose pushes fail (5xx)
+    second.restart()
+    await wait_for(
+        lambda: (c := condition(cluster, "chat", "Synced")) and c["reason"] == "PushFailed", 30, "PushFailed"
+    )
+    assert cluster.fail_status_patches == 0
+    status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
+    for key in ("window", "pods", "conditions", "observedGeneration", "lastDecision"):
+        assert key in status, key
+    await wait_for(lambda: any(e["reason"] == "PushFailed" for e in cluster.events_for("ml", "chat")), 30,
+                   "a PushFailed Event")  # fmt: skip
+    second.fail_next = 0
+    await wait_for(lambda: second.state.window.hard_cap == 12, 30, "the restarted pod to heal")
+
+
+async def assert_an_invalid_profile_is_named_without_a_crash(
+    cluster: KubeCluster, api: httpx.AsyncClient, port: int
+) -> None:
+    """An invalid profile that slipped past validation: condition and Event naming the field."""
+    bad = spec(port, window={"targetBatchSize": 64, "hardCap": 16, "maxWaitMs": 40})
+    bad["selector"] = {"matchLabels": {"app": "nothing"}}
+    await create(api, PROFILES_PATH, profile_body("ml", "bad", bad))
+    ready = await wait_for(lambda: condition(cluster, "bad", "Ready"), 30, "the invalid profile's condition")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and "spec.window" in ready["message"]
+    await wait_for(lambda: any(e["reason"] == "InvalidSpec" for e in cluster.events_for("ml", "bad")), 30,
+                   "an InvalidSpec Event")  # fmt: skip
+
+
 async def test_operator_reconciles_profiles_pods_and_failures(
     env: tuple[KubeCluster, str, dict[str, FakeAdminServer], int], tmp_path: Path
 ) -> None:
@@ -78,23 +133,8 @@ async def test_operator_reconciles_profiles_pods_and_failures(
         "--interval-override", "1", "--tick", "0.3", "--peering", "off", "--watch-check", "1",
     )  # fmt: skip
     try:
-        # 1. A new profile: the Ready pod gets the spec's window; status says so.
-        await create(api, PROFILES_PATH, profile_body("ml", "chat", spec(port)))
-        await wait_for(lambda: first.state.window.generation >= 1, 60, "the Ready pod to get the window")
-        assert first.state.window.hard_cap == 16 and second.puts == 0
-        synced = await wait_for(
-            lambda: (c := condition(cluster, "chat", "Synced")) and c["status"] == "True" and c, 30, "Synced=True"
-        )
-        assert synced["observedGeneration"] == 1
-        status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
-        assert status["pods"] == {"total": 2, "ready": 1, "synced": 1, "summary": "1/1"}
-        # The push on create can land before the first observation tick (MetricsAvailable
-        # is Unknown/Pending until then); the fake Prometheus has no series for the model.
-        await wait_for(
-            lambda: (c := condition(cluster, "chat", "MetricsAvailable")) and c["status"] == "False" and c,
-            30,
-            "MetricsAvailable=False",
-        )
+        # 1. A new profile.
+        await assert_a_new_profile_reaches_the_ready_pod_only(cluster, api, port, first, second)
 
         # 2. The second pod becomes Ready: it gets the window at once.
         await patch(api, "/api/v1/namespaces/ml/pods/chat-b/status",
@@ -111,30 +151,11 @@ async def test_operator_reconciles_profiles_pods_and_failures(
             lambda: (c := condition(cluster, "chat", "Synced")) and c["observedGeneration"] == 2, 30, "generation 2"
         )
 
-        # 4. A status patch that conflicts (409) twice: the loop goes on and the status ends complete.
-        cluster.fail_status_patches = 2
-        second.fail_next = 100  # and a pod whose pushes fail (5xx)
-        second.restart()
-        await wait_for(
-            lambda: (c := condition(cluster, "chat", "Synced")) and c["reason"] == "PushFailed", 30, "PushFailed"
-        )
-        assert cluster.fail_status_patches == 0
-        status = cluster.get(PROFILES, "ml", "chat")["status"]  # type: ignore[index]
-        for key in ("window", "pods", "conditions", "observedGeneration", "lastDecision"):
-            assert key in status, key
-        await wait_for(lambda: any(e["reason"] == "PushFailed" for e in cluster.events_for("ml", "chat")), 30,
-                       "a PushFailed Event")  # fmt: skip
-        second.fail_next = 0
-        await wait_for(lambda: second.state.window.hard_cap == 12, 30, "the restarted pod to heal")
+        # 4. Status conflicts and failing pushes.
+        await assert_status_conflicts_and_failed_pushes_leave_a_complete_status(cluster, second)
 
-        # 5. An invalid profile that slipped past validation: condition and Event naming the field, no crash.
-        bad = spec(port, window={"targetBatchSize": 64, "hardCap": 16, "maxWaitMs": 40})
-        bad["selector"] = {"matchLabels": {"app": "nothing"}}
-        await create(api, PROFILES_PATH, profile_body("ml", "bad", bad))
-        ready = await wait_for(lambda: condition(cluster, "bad", "Ready"), 30, "the invalid profile's condition")
-        assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and "spec.window" in ready["message"]
-        await wait_for(lambda: any(e["reason"] == "InvalidSpec" for e in cluster.events_for("ml", "bad")), 30,
-                       "an InvalidSpec Event")  # fmt: skip
+        # 5. An invalid profile.
+        await assert_an_invalid_profile_is_named_without_a_crash(cluster, api, port)
 
         # 6. Liveness and the operator's own metrics.
         assert await operator.liveness() == 200
