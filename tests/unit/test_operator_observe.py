@@ -9,7 +9,8 @@ import pytest
 
 from batchpilot_operator.io import promql
 from batchpilot_operator.io.exposition import parse_exposition
-from batchpilot_operator.io.observe import (
+from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
+from batchpilot_operator.tuning.model_metrics import (
     INTER_TOKEN,
     HistogramWindow,
     MetricsBuilder,
@@ -18,7 +19,6 @@ from batchpilot_operator.io.observe import (
     lookup,
     to_observations,
 )
-from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
 from batchpilot_runtime.contract import metric_names as rm
 from batchpilot_runtime.scheduling.types import StepStats
 from batchpilot_runtime.server.metrics import MetricsExporter

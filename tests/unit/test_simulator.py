@@ -8,7 +8,6 @@ import math
 import pytest
 
 from batchpilot_operator.api.profile import LatencyMetric, parse_spec
-from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, to_observations
 from batchpilot_operator.sim.controllers import AdaptiveController
 from batchpilot_operator.sim.intervals import Interval, interval_metrics
 from batchpilot_operator.sim.metrics import exact_quantile, summarize
@@ -18,6 +17,7 @@ from batchpilot_operator.sim.simulator import (
     Simulator,
     scheduler_config_for,
 )
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN, MetricsBuilder, to_observations
 from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.metric_names import (
     INTER_TOKEN_SECONDS,

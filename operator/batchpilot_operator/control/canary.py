@@ -29,10 +29,10 @@ from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, Tuning
 from batchpilot_operator.control.facts import ended_by_restart
 from batchpilot_operator.control.records import PodRecord, ProfileRecord
 from batchpilot_operator.control.status import rfc3339
-from batchpilot_operator.io.observe import ModelKey, ModelMetrics, to_observations
 from batchpilot_operator.io.outbound import base_url
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning.canary import CanaryRun, State, Step, Verdict, advance, choose_pods, judge
+from batchpilot_operator.tuning.model_metrics import ModelKey, ModelMetrics, to_observations
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")

@@ -32,15 +32,9 @@ from batchpilot_operator.io.exposition import (
     counter_increase,
     parse_exposition,
 )
-from batchpilot_operator.io.observe import (
-    LATENCY_HISTOGRAMS,
-    RATE_COUNTERS,
-    MetricsBuilder,
-    MetricsUnavailable,
-    ModelKey,
-    ModelMetrics,
-)
+from batchpilot_operator.io.observe import RATE_COUNTERS, MetricsUnavailable
 from batchpilot_operator.io.outbound import read_capped
+from batchpilot_operator.tuning.model_metrics import LATENCY_HISTOGRAMS, MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_runtime.contract import metric_names as rm
 
 _HISTOGRAM_TO_SLO = {histogram: slo for slo, histogram in LATENCY_HISTOGRAMS.items()}

@@ -2,7 +2,7 @@
 
 The simulator counts what the runtime's exporter counts (latency and inter-token histogram
 buckets, admissions, step times by phase and batch-size bucket, prompt tokens prefilled) and
-turns the last intervals into the :class:`~batchpilot_operator.io.observe.ModelMetrics` a
+turns the last intervals into the :class:`~batchpilot_operator.tuning.model_metrics.ModelMetrics` a
 Prometheus ``rate()`` over the same window would give, so that the policy's observations come
 through the live sources' one builder.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import INTER_TOKEN, LATENCY_BUCKETS, HistogramWindow, ModelMetrics
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN, LATENCY_BUCKETS, HistogramWindow, ModelMetrics
 from batchpilot_runtime.contract.metric_names import batch_bucket
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import StepStats

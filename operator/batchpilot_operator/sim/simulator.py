@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import ERROR_BUDGET_WINDOW_S, to_observations
 from batchpilot_operator.sim.intervals import (
     ITL_BUCKETS_S,
     ITL_NUM_BUCKETS,
@@ -34,6 +33,7 @@ from batchpilot_operator.sim.intervals import (
     Interval,
     interval_metrics,
 )
+from batchpilot_operator.tuning.model_metrics import ERROR_BUDGET_WINDOW_S, to_observations
 from batchpilot_operator.tuning.observations import NAN, Observations
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
