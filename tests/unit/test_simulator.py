@@ -110,7 +110,7 @@ def test_the_simulator_builds_observations_through_the_live_builder() -> None:
     interval.latency_buckets[40] = 2
     interval.itl_buckets[5] = 900
     interval.itl_buckets[60] = 12
-    interval.arrivals = 32
+    interval.ended_requests = 32
     interval.generated_tokens = 944
     interval.decode_steps = 100
     interval.decode_seqs = 800

@@ -125,6 +125,8 @@ class ModelMetrics:
     # Quantiles computed by Prometheus (histogram_quantile), by latency metric then q; and observation rates.
     latency_quantiles_s: dict[str, dict[float, float]] = field(default_factory=dict)
     latency_count_per_s: dict[str, float] = field(default_factory=dict)
+    # Requests that ended (completed, aborted, rejected) as batchpilot_requests_total counts them: the
+    # runtime counts no arrivals, so this is the policy's arrival rate, in the simulator as well.
     requests_per_s: float | None = None
     generated_tokens_per_s: float | None = None
     prompt_tokens_per_s: float | None = None
@@ -163,7 +165,9 @@ class ModelMetrics:
 
     @property
     def tail_marked_share(self) -> float | None:
-        """Tail-marked requests per request that ended (the rule that raises the tail-mark ratio)."""
+        """Requests tail-marked (counted when the scheduler marks them, while they wait) per request that
+        ended over the window: a ratio of two rates, not a share of one set of requests (the rule that
+        raises the tail-mark ratio reads it)."""
         if self.tail_marked_per_s is None or not self.requests_per_s:
             return None
         return self.tail_marked_per_s / self.requests_per_s
