@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 from batchpilot_operator.api.canary import CanaryStatus
 from batchpilot_operator.api.profile import BatchProfileSpec, EngineKind, TuningMode
@@ -42,16 +42,6 @@ log = logging.getLogger("batchpilot.operator")
 REJECT_HOLD_INTERVALS = 10
 
 EventQueue = Callable[[ProfileRecord, str, str, str], None]
-
-
-class PodMetricsSource(Protocol):
-    """A metric source that also reads the latency histograms per pod (Prometheus, scraping)."""
-
-    async def collect_pods(
-        self, targets: Mapping[ModelKey, Mapping[str, str]]
-    ) -> dict[ModelKey, dict[str, ModelMetrics]]:
-        """Per model key, per pod name (``targets``: pod name -> its /metrics URL), the pod's metrics."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,6 @@ class Interval:
     decode_steps: int = 0
     decode_seqs: int = 0
     admissions: dict[str, int] = field(default_factory=dict)
-    admitted_requests: int = 0
     tail_marked: int = 0
     preempted: int = 0
     step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [sum_s, count]
@@ -62,7 +61,6 @@ class Interval:
         exporter does (a step that prefills anything is a prefill step)."""
         for reason, count in stats.admissions.items():
             self.admissions[reason] = self.admissions.get(reason, 0) + count
-        self.admitted_requests += stats.admitted_requests
         self.tail_marked += stats.tail_marked
         self.preempted += stats.preempted
         if stats.num_decode_seqs:
