@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator.io.observe import to_observations
 from batchpilot_operator.io.promql import PrometheusSource
+from batchpilot_operator.tuning.model_metrics import to_observations
 from tests.integration.fake_admin import render_metrics
 from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
 from tests.support.engine_expositions import serve_exposition

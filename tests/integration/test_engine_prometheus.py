@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from batchpilot_operator.frontends.local import parse_runtime, run_local
-from batchpilot_operator.io.observe import to_observations
 from batchpilot_operator.io.promql import PrometheusSource
+from batchpilot_operator.tuning.model_metrics import to_observations
 from batchpilot_operator.tuning.observations import share_above
 from tests.integration.prometheus_process import ScrapeTarget, prometheus_binary, start_prometheus
 from tests.support.engine_expositions import EngineExposition, Load, serving

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from batchpilot_operator.io.observe import to_observations
 from batchpilot_operator.io.promql import build_pod_query, build_queries, parse_pod_results
 from batchpilot_operator.io.scrape import ScrapeSource
+from batchpilot_operator.tuning.model_metrics import to_observations
 from tests.integration.fake_admin import render_metrics
 
 

@@ -14,8 +14,9 @@ import pytest
 from batchpilot_operator.io import promql
 from batchpilot_operator.io.engine_metrics import FOREIGN_ENGINES, SGLANG_NAMES, VLLM_NAMES
 from batchpilot_operator.io.exposition import parse_exposition
-from batchpilot_operator.io.observe import LATENCY_HISTOGRAMS, RATE_COUNTERS, MetricsBuilder, to_observations
+from batchpilot_operator.io.observe import RATE_COUNTERS
 from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
+from batchpilot_operator.tuning.model_metrics import LATENCY_HISTOGRAMS, MetricsBuilder, to_observations
 from tests.support.engine_expositions import EngineExposition, Load
 
 WINDOW_S = 60.0

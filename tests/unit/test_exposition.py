@@ -8,8 +8,8 @@ import pytest
 
 from batchpilot_operator.demo.series import histogram_between, quantile_ms, snapshot_from_exposition
 from batchpilot_operator.io.exposition import bucket_bound, counter_increase, parse_exposition
-from batchpilot_operator.io.observe import MetricsBuilder
 from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
+from batchpilot_operator.tuning.model_metrics import MetricsBuilder
 from batchpilot_runtime.contract import metric_names as rm
 
 EXPOSITION = """# TYPE batchpilot_ttft_seconds histogram

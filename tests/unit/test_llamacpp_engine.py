@@ -21,8 +21,8 @@ from batchpilot_operator.frontends.local import parse_runtime
 from batchpilot_operator.io import promql
 from batchpilot_operator.io.engine_metrics import LLAMACPP_NAMES
 from batchpilot_operator.io.exposition import parse_exposition
-from batchpilot_operator.io.observe import MetricsBuilder, to_observations
 from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
+from batchpilot_operator.tuning.model_metrics import MetricsBuilder, to_observations
 from batchpilot_runtime.contract.window import Window
 from tests.support.factories import make_spec_dict
 

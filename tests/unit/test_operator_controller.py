@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import pytest
 
-from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, MetricsUnavailable, ModelKey, ModelMetrics
+from batchpilot_operator.io.observe import MetricsUnavailable
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN, MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from tests.integration.fake_admin import closed_port_url
 from tests.support.controller_harness import ControllerHarness, controller_harness

@@ -12,8 +12,8 @@ import pytest
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
 from batchpilot_operator.control.facts import RESTARTED_CANARY
 from batchpilot_operator.control.status import rfc3339
-from batchpilot_operator.io.observe import MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_operator.io.scrape import ScrapeSource
+from batchpilot_operator.tuning.model_metrics import MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S
 from batchpilot_runtime.contract.window import Window
 from tests.support.controller_harness import ControllerHarness, controller_harness

@@ -9,7 +9,8 @@ import pytest
 
 from batchpilot_operator.io import promql
 from batchpilot_operator.io.exposition import parse_exposition
-from batchpilot_operator.io.observe import (
+from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
+from batchpilot_operator.tuning.model_metrics import (
     INTER_TOKEN,
     HistogramWindow,
     MetricsBuilder,
@@ -18,7 +19,6 @@ from batchpilot_operator.io.observe import (
     lookup,
     to_observations,
 )
-from batchpilot_operator.io.scrape import Scrape, metrics_from_scrapes
 from batchpilot_runtime.contract import metric_names as rm
 from batchpilot_runtime.scheduling.types import StepStats
 from batchpilot_runtime.server.metrics import MetricsExporter
@@ -158,7 +158,7 @@ def test_the_gaps_hour_has_a_query_of_its_own_whose_answer_gives_the_policy_its_
     obs = to_observations(lookup(promql.parse_results(results, 60), "ml", "chat"), "ttft", 100.0)
     assert obs.itl_window_buckets == ((0.05, 600.0), (0.1, 990.0), (math.inf, 1000.0))
     assert obs.itl_p99_s == pytest.approx(0.09)
-    # Without the hour's answer (a failed query, a scrape source) the policy has no hour to judge by.
+    # Without the hour's answer (a failed query) the policy has no hour to judge by.
     without = promql.parse_results({"latency": results["latency"]}, 60)
     assert to_observations(lookup(without, "ml", "chat"), "ttft", 1.0).itl_window_buckets == ()
 

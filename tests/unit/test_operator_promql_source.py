@@ -12,8 +12,9 @@ import requests
 from aiohttp import web
 
 from batchpilot_operator.io import promql
-from batchpilot_operator.io.observe import MetricsUnavailable, lookup, to_observations
+from batchpilot_operator.io.observe import MetricsUnavailable
 from batchpilot_operator.io.promql import PrometheusSource
+from batchpilot_operator.tuning.model_metrics import lookup, to_observations
 from tests.integration.fake_admin import closed_port_url
 
 

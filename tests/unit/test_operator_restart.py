@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRef, Settings
-from batchpilot_operator.io.observe import MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_operator.io.push import AdminClient
+from batchpilot_operator.tuning.model_metrics import MetricsBuilder, ModelKey, ModelMetrics
 from batchpilot_operator.tuning.policy import PolicyState
 from batchpilot_runtime.contract.metric_names import LATENCY_BUCKETS_S, batch_bucket
 from tests.integration.fake_admin import FakeAdminServer

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 
 from batchpilot_operator.api.profile import LatencyMetric, parse_spec
-from batchpilot_operator.io.observe import INTER_TOKEN, MetricsBuilder, to_observations
 from batchpilot_operator.sim.controllers import AdaptiveController
 from batchpilot_operator.sim.intervals import Interval, interval_metrics
 from batchpilot_operator.sim.metrics import exact_quantile, summarize
@@ -18,6 +16,7 @@ from batchpilot_operator.sim.simulator import (
     Simulator,
     scheduler_config_for,
 )
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN, to_observations
 from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.metric_names import (
     INTER_TOKEN_SECONDS,
@@ -102,70 +101,30 @@ def test_the_simulator_counts_on_the_exporters_buckets() -> None:
     assert metrics.latency["ttft"].upper_bounds == (*LATENCY_BUCKETS_S, math.inf)
 
 
-def test_the_simulator_builds_observations_through_the_live_builder() -> None:
-    """The same counters fed through the live sources' builder and through the simulator's give the
-    same observations, field by field."""
+def test_the_simulators_counters_become_the_policys_figures() -> None:
+    """Hand-made counters of two intervals through the one builder (the parity with the live path on one
+    request stream is tests/unit/test_observation_parity.py)."""
     interval = Interval()
     interval.latency_buckets[10] = 30
     interval.latency_buckets[40] = 2
     interval.itl_buckets[5] = 900
     interval.itl_buckets[60] = 12
-    interval.arrivals = 32
-    interval.generated_tokens = 944
-    interval.decode_steps = 100
-    interval.decode_seqs = 800
+    interval.arrivals = 50  # not a figure of the policy's: the runtime counts requests when they end
+    interval.ended_requests = 32
     interval.admissions = {"target": 5, "cap": 3, "wait": 2}
     interval.tail_marked = 4
-    interval.preempted = 1
     interval.step_s_by_bucket = {8: [2.0, 100.0]}
     interval.prefill_step_s_by_bucket = {8: [3.0, 20.0]}
     interval.prefill_tokens = 20_000
     sched = Scheduler(SchedulerConfig(num_kv_blocks=64), Window(target_batch_size=1, hard_cap=4, max_wait_ms=0))
-    window_s = 20.0
-    simulated = to_observations(interval_metrics([interval, Interval()], 10.0, LatencyMetric.TTFT, sched), "ttft", 7.0)
-
-    live = MetricsBuilder(window_s)
-    key = ("", "m")
-    for metric, counts, bounds in (
-        ("ttft", interval.latency_buckets, LATENCY_BUCKETS_S),
-        (INTER_TOKEN, interval.itl_buckets, STEP_BUCKETS_S),
-    ):
-        cumulative = 0
-        for bound, count in zip((*bounds, math.inf), counts, strict=True):
-            cumulative += count
-            live.add_bucket(key, metric, bound, cumulative / window_s)
-    for series, value in (
-        ("requests", 32),
-        ("generated_tokens", 944),
-        ("tail_marked", 4),
-        ("preemptions", 1),
-        ("batch_sum", 800),
-        ("batch_count", 100),
-    ):
-        live.add_rate(key, series, value / window_s)
-    for reason, count in interval.admissions.items():
-        live.add_rate(key, "admissions", count / window_s, reason)
-    live.add_rate(key, "step_sum", 2.0 / window_s, "8")
-    live.add_rate(key, "step_count", 100.0 / window_s, "8")
-    live.add_rate(key, "prefill_step_sum", 3.0 / window_s, "8")
-    live.add_rate(key, "prefill_step_count", 20.0 / window_s, "8")
-    live.add_rate(key, "prefill_tokens", 20_000 / window_s)
-    for series, value in (("queue_depth", 0.0), ("running", 0.0), ("kv_usage", 0.0), ("pods", 1.0)):
-        live.add_gauge(key, series, value)
-    observed = to_observations(live.build()[key], "ttft", 7.0)
-
-    for name in (f.name for f in dataclasses.fields(Observations)):
-        got, want = getattr(simulated, name), getattr(observed, name)
-        if isinstance(want, float):
-            assert got == pytest.approx(want, nan_ok=True), name
-        else:
-            assert got == want, name
-    assert simulated.batch_hit_ratio == pytest.approx(0.8)  # (target + cap) / all groups
-    assert simulated.tail_marked_share == pytest.approx(4 / 32)
+    obs = to_observations(interval_metrics([interval, Interval()], 10.0, LatencyMetric.TTFT, sched), "ttft", 7.0)
+    assert obs.arrival_rate_per_s == pytest.approx(32 / 20.0) and obs.window_s == 20.0
+    assert obs.batch_hit_ratio == pytest.approx(0.8)  # (target + cap) / all groups
+    assert obs.tail_marked_share == pytest.approx(4 / 32)
     # 20 prefill steps took 3 s where 20 decode steps of their batch take 0.4 s: 2.6 s for 20,000 tokens.
-    assert simulated.prefill_s_per_token == pytest.approx(2.6 / 20_000)
+    assert obs.prefill_s_per_token == pytest.approx(2.6 / 20_000)
     # 12 of 912 gaps (1.3 %) lie in bucket 60, so the inter-token P99 does too.
-    assert STEP_BUCKETS_S[59] < simulated.itl_p99_s <= STEP_BUCKETS_S[60]
+    assert STEP_BUCKETS_S[59] < obs.itl_p99_s <= STEP_BUCKETS_S[60]
 
 
 def test_target_and_wait_hold_requests_back_exactly() -> None:

@@ -51,8 +51,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from batchpilot_operator.io.observe import finite_or_none
     from batchpilot_operator.sim.runner import default_spec, load_profile_spec, plot_runs, run_policy, slo_p99_s
+    from batchpilot_operator.tuning.model_metrics import finite_or_none
     from batchpilot_runtime.replay.cost_model import load_cost_model
     from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH, plan_replay, read_trace
 

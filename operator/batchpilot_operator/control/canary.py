@@ -25,7 +25,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from batchpilot_operator.api.canary import CanaryStatus
 from batchpilot_operator.api.profile import BatchProfileSpec
@@ -33,9 +33,9 @@ from batchpilot_operator.control.facts import ended_by_restart
 from batchpilot_operator.control.plan import CanaryEvaluation, canary_wanted
 from batchpilot_operator.control.records import PodRecord, ProfileRecord
 from batchpilot_operator.control.status import rfc3339
-from batchpilot_operator.io.observe import ModelKey, ModelMetrics, to_observations
 from batchpilot_operator.io.outbound import base_url
 from batchpilot_operator.tuning.canary import CanaryRun, State, Step, Verdict, advance, judge
+from batchpilot_operator.tuning.model_metrics import ModelKey, ModelMetrics, to_observations
 from batchpilot_runtime.contract.window import Window
 
 log = logging.getLogger("batchpilot.operator")
@@ -45,16 +45,6 @@ log = logging.getLogger("batchpilot.operator")
 REJECT_HOLD_INTERVALS = 10
 
 EventQueue = Callable[[ProfileRecord, str, str, str], None]
-
-
-class PodMetricsSource(Protocol):
-    """A metric source that also reads the latency histograms per pod (Prometheus, scraping)."""
-
-    async def collect_pods(
-        self, targets: Mapping[ModelKey, Mapping[str, str]]
-    ) -> dict[ModelKey, dict[str, ModelMetrics]]:
-        """Per model key, per pod name (``targets``: pod name -> its /metrics URL), the pod's metrics."""
-        ...
 
 
 def metrics_url(pod: PodRecord, spec: BatchProfileSpec) -> str | None:

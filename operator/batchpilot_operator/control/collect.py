@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 
 from batchpilot_operator.control.canary import metrics_url
 from batchpilot_operator.control.records import MetricsSource, PodRecord, ProfileRecord, TickReport
-from batchpilot_operator.io.observe import MetricsUnavailable, ModelKey, ModelMetrics
+from batchpilot_operator.io.observe import MetricsUnavailable
 from batchpilot_operator.io.opmetrics import OperatorMetrics
+from batchpilot_operator.tuning.model_metrics import ModelKey, ModelMetrics
 
 
 def metric_targets(

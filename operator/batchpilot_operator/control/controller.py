@@ -79,12 +79,12 @@ from batchpilot_operator.control.status import (
 from batchpilot_operator.control.status_writer import StatusWriter
 from batchpilot_operator.control.sync_paths import SyncPaths
 from batchpilot_operator.control.syncer import Syncer
-from batchpilot_operator.io.observe import ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.push import ERROR, OK, AdminClient
 from batchpilot_operator.io.sglang import SGLangClient
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning import policy_memo
+from batchpilot_operator.tuning.model_metrics import ModelKey, ModelMetrics, lookup, to_observations
 from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.window import Window
 

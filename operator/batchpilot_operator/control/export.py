@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from batchpilot_operator.control.records import ProfileRecord
 from batchpilot_operator.control.status import FALSE, TRUE, StatusFacts
-from batchpilot_operator.io.observe import INTER_TOKEN
 from batchpilot_operator.io.opmetrics import OperatorMetrics
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN
 
 
 def export_profile(metrics: OperatorMetrics, record: ProfileRecord, facts: StatusFacts) -> None:

@@ -15,9 +15,9 @@ from batchpilot_operator.api.profile import BatchProfileSpec, format_validation_
 from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
 from batchpilot_operator.control.status import ConditionFact
-from batchpilot_operator.io.observe import ModelKey, ModelMetrics
 from batchpilot_operator.tuning import policy as policy_mod
 from batchpilot_operator.tuning.canary import CanaryRun
+from batchpilot_operator.tuning.model_metrics import ModelKey, ModelMetrics
 from batchpilot_operator.tuning.observations import Observations
 from batchpilot_runtime.contract.admin_api import LaneWindow, WindowState
 from batchpilot_runtime.contract.window import Window

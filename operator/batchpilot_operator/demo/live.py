@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from batchpilot_operator.demo.results import format_figure, round_figure
 from batchpilot_operator.demo.series import Snapshot, histogram_between, increase_between, quantile_ms
-from batchpilot_operator.io.observe import SLO_LATENCY_HISTOGRAMS
+from batchpilot_operator.tuning.model_metrics import SLO_LATENCY_HISTOGRAMS
 from batchpilot_runtime.contract import metric_names as rm
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from batchpilot_operator.demo.results import (
     round_figure,
 )
 from batchpilot_operator.io.exposition import bucket_bound, counter_increase, parse_exposition
-from batchpilot_operator.io.observe import LATENCY_HISTOGRAMS, SLO_LATENCY_HISTOGRAMS, histogram_from_buckets
+from batchpilot_operator.tuning.model_metrics import LATENCY_HISTOGRAMS, SLO_LATENCY_HISTOGRAMS, histogram_from_buckets
 from batchpilot_operator.tuning.observations import histogram_quantile
 from batchpilot_runtime.contract import metric_names as rm
 
@@ -127,7 +127,7 @@ def histogram_between(before: Snapshot | None, after: Snapshot, name: str) -> Hi
 
     A bucket that went down means the runtime restarted: its current value is the
     increase, as Prometheus assumes for counters. The increments are made monotone as the
-    operator's metric sources do (:func:`~batchpilot_operator.io.observe.histogram_from_buckets`).
+    operator's metric sources do (:func:`~batchpilot_operator.tuning.model_metrics.histogram_from_buckets`).
     """
     now = after.histograms.get(name, {})
     then = before.histograms.get(name, {}) if before is not None else {}

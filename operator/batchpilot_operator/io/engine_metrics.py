@@ -1,8 +1,8 @@
 """Each engine's own metric names for what the policy observes.
 
 Both metric sources read a vLLM or SGLang pod through these tables and feed the
-same :class:`~batchpilot_operator.io.observe.MetricsBuilder` series as for
-batchpilot's runtime, so one builder (:func:`~batchpilot_operator.io.observe.to_observations`)
+same :class:`~batchpilot_operator.tuning.model_metrics.MetricsBuilder` series as for
+batchpilot's runtime, so one builder (:func:`~batchpilot_operator.tuning.model_metrics.to_observations`)
 makes the policy's observations for every engine. What an engine does not
 export (step times per batch size, admissions by reason, tail marks) stays
 unknown, and the policy's rules that need it do not fire.
@@ -56,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from batchpilot_operator.io.observe import INTER_TOKEN
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN
 
 BATCHPILOT = "batchpilot"
 VLLM = "vllm"

@@ -36,17 +36,16 @@ from batchpilot_operator.io.engine_metrics import (
     GATED_ENGINES,
     EngineMetricNames,
 )
-from batchpilot_operator.io.observe import (
+from batchpilot_operator.io.observe import RATE_COUNTERS, MetricsUnavailable
+from batchpilot_operator.io.outbound import format_bytes
+from batchpilot_operator.tuning.model_metrics import (
     ERROR_BUDGET_WINDOW_S,
     INTER_TOKEN,
     LATENCY_HISTOGRAMS,
-    RATE_COUNTERS,
     MetricsBuilder,
-    MetricsUnavailable,
     ModelKey,
     ModelMetrics,
 )
-from batchpilot_operator.io.outbound import format_bytes
 from batchpilot_runtime.contract import metric_names as rm
 
 log = logging.getLogger(__name__)

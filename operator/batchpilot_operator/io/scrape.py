@@ -11,6 +11,11 @@ Each scrape has an overall deadline (``timeout_s``, the whole body included) and
 a body cap (``max_body_bytes``): a pod whose ``/metrics`` never ends, or is
 huge, is left out of that tick like an unreachable one, and holds the tick no
 longer than the deadline.
+
+The inter-token histogram's increase over the error budget's hour, which the
+Prometheus source asks with ``increase(...[3600s])``, is summed here from the
+increments between consecutive scrapes of each pod (:class:`GapHour`), so that
+the policy's error-budget excuse and payback run in local mode and the demo too.
 """
 
 from __future__ import annotations
@@ -32,15 +37,16 @@ from batchpilot_operator.io.exposition import (
     counter_increase,
     parse_exposition,
 )
-from batchpilot_operator.io.observe import (
+from batchpilot_operator.io.observe import RATE_COUNTERS, MetricsUnavailable
+from batchpilot_operator.io.outbound import read_capped
+from batchpilot_operator.tuning.model_metrics import (
+    ERROR_BUDGET_WINDOW_S,
+    INTER_TOKEN,
     LATENCY_HISTOGRAMS,
-    RATE_COUNTERS,
     MetricsBuilder,
-    MetricsUnavailable,
     ModelKey,
     ModelMetrics,
 )
-from batchpilot_operator.io.outbound import read_capped
 from batchpilot_runtime.contract import metric_names as rm
 
 _HISTOGRAM_TO_SLO = {histogram: slo for slo, histogram in LATENCY_HISTOGRAMS.items()}
@@ -175,6 +181,71 @@ def _foreign_from_scrapes(
             builder.add_rate(key, exposed.series, rate)
 
 
+class GapHour:
+    """One pod's inter-token histogram increase over the last ``window_s``, from the increments
+    between its consecutive scrapes.
+
+    Increments are summed into slots of ``slot_s`` by the time of the scrape that saw them, so the
+    memory is bounded (``window_s / slot_s + 1`` slots of one histogram, whatever the scrape
+    interval) and the window's start is exact to a slot (a minute of the hour by default).
+    """
+
+    def __init__(self, window_s: float = ERROR_BUDGET_WINDOW_S, slot_s: float = 60.0) -> None:
+        if not 0 < slot_s <= window_s:
+            raise ValueError(f"slot_s must lie in (0, window_s], got {slot_s}")
+        self.window_s = window_s
+        self.slot_s = slot_s
+        self._slots: deque[tuple[int, dict[float, float]]] = deque()  # (slot index, cumulative increments)
+
+    def add(self, at_s: float, cumulative: Mapping[float, float]) -> None:
+        """The increments seen by the scrape at ``at_s``, as cumulative counts by upper bound."""
+        index = math.floor(at_s / self.slot_s)
+        if not self._slots or self._slots[-1][0] != index:
+            self._slots.append((index, {}))
+        counts = self._slots[-1][1]
+        for bound, count in cumulative.items():
+            counts[bound] = counts.get(bound, 0.0) + count
+        self._forget_before(at_s)
+
+    def total(self, now_s: float) -> dict[float, float]:
+        """Cumulative counts by upper bound over the window ending at ``now_s`` (empty: nothing seen)."""
+        self._forget_before(now_s)
+        total: dict[float, float] = {}
+        for _, counts in self._slots:
+            for bound, count in counts.items():
+                total[bound] = total.get(bound, 0.0) + count
+        return total
+
+    @property
+    def slots_held(self) -> int:
+        return len(self._slots)
+
+    def _forget_before(self, now_s: float) -> None:
+        # A slot leaves once it ends at or before the window's start.
+        while self._slots and (self._slots[0][0] + 1) * self.slot_s <= now_s - self.window_s:
+            self._slots.popleft()
+
+
+def gap_increments(
+    current: Scrape, previous: Scrape, namespace: str = "", model: str = ""
+) -> dict[ModelKey, dict[float, float]]:
+    """Each model's inter-token histogram increase between two scrapes of one pod, as cumulative
+    counts by upper bound, read through the same names as the rates (any engine's)."""
+    span_s = current.at_s - previous.at_s
+    if span_s <= 0:
+        return {}
+    builder = MetricsBuilder(span_s)
+    metrics_from_scrapes(current, previous, builder, namespace, model)
+    increments: dict[ModelKey, dict[float, float]] = {}
+    for key, metrics in builder.build().items():
+        gaps = metrics.latency.get(INTER_TOKEN)
+        if gaps is not None:
+            increments[key] = {
+                bound: rate * span_s for bound, rate in zip(gaps.upper_bounds, gaps.cumulative, strict=True)
+            }
+    return increments
+
+
 class ScrapeSource:
     """Scrapes each runtime's ``/metrics`` once per tick and keeps the scrapes of the last rate window."""
 
@@ -194,6 +265,8 @@ class ScrapeSource:
         self._clock = clock
         self._history: dict[str, deque[Scrape]] = {}
         self._by_url: dict[str, dict[ModelKey, ModelMetrics]] = {}  # each pod's figures from the last collect
+        # Each pod's gaps over the error budget's hour, by the target it is scraped for, then by model.
+        self._gap_hours: dict[tuple[ModelKey, str], dict[ModelKey, GapHour]] = {}
         self.scrapes_total = 0
 
     async def aclose(self) -> None:
@@ -236,8 +309,11 @@ class ScrapeSource:
                 self._history.pop(url, None)
                 self._by_url.pop(url, None)
                 continue
+            history = self._history.get(url)
+            previous = history[-1] if history else None
             oldest = self._oldest_within_window(url, result)
             metrics_from_scrapes(result, oldest, builder, namespace=key[0], model=key[1])
+            self._add_gap_hour(key, url, result, previous, builder)
             # The same scrapes alone: this pod's figures, for a canary (collect_pods).
             own = MetricsBuilder(result.at_s - oldest.at_s if oldest is not None else 0.0)
             metrics_from_scrapes(result, oldest, own, namespace=key[0], model=key[1])
@@ -246,11 +322,26 @@ class ScrapeSource:
             raise MetricsUnavailable("no runtime answered /metrics: " + "; ".join(failures[:3]))
         for url in set(self._by_url) - {url for _, url in urls}:
             del self._by_url[url]  # a pod no longer scraped
+        for target in set(self._gap_hours) - set(urls):
+            del self._gap_hours[target]
         built = builder.build()
         spans = [h[-1].at_s - h[0].at_s for _, u in urls if (h := self._history.get(u))]
         for metrics in built.values():
             metrics.window_s = max(spans, default=0.0)
         return built
+
+    def _add_gap_hour(
+        self, key: ModelKey, url: str, current: Scrape, previous: Scrape | None, builder: MetricsBuilder
+    ) -> None:
+        """Adds the gaps since ``previous`` to the pod's hour, and the hour to ``builder``. A pod that missed
+        a scrape keeps its hour but not the gaps of the span it missed (its history starts again)."""
+        hours = self._gap_hours.setdefault((key, url), {})
+        if previous is not None:
+            for model_key, increments in gap_increments(current, previous, *key).items():
+                hours.setdefault(model_key, GapHour()).add(current.at_s, increments)
+        for model_key, hour in hours.items():
+            for bound, count in hour.total(current.at_s).items():
+                builder.add_window_bucket(model_key, bound, count)
 
     async def collect_pods(
         self, targets: Mapping[ModelKey, Mapping[str, str]]

@@ -2,9 +2,23 @@
 
 The simulator counts what the runtime's exporter counts (latency and inter-token histogram
 buckets, admissions, step times by phase and batch-size bucket, prompt tokens prefilled) and
-turns the last intervals into the :class:`~batchpilot_operator.io.observe.ModelMetrics` a
-Prometheus ``rate()`` over the same window would give, so that the policy's observations come
+turns the last intervals into the :class:`~batchpilot_operator.tuning.model_metrics.ModelMetrics`
+a Prometheus ``rate()`` over the same window would give, so that the policy's observations come
 through the live sources' one builder.
+
+Requests are counted as the runtime's ``batchpilot_requests_total`` counts them: when they end
+(the last token, or a rejection on arrival), not when they arrive. The policy's arrival rate and
+the denominator of the tail-marked share are that rate, live and simulated alike; counting
+arrivals here instead would give the simulated policy a figure no live source has (it leads the
+live one by a request's latency after a change, and exceeds it in overload). Of the two ways to
+one meaning, counting what the runtime counts rather than renaming the field was chosen: it keeps
+the ``bench_slo`` capacities and at-capacity figures identical to the digit, so the bench still
+measures the policy the operator runs. Arrivals are still counted (:attr:`Interval.arrivals`) for
+the simulator's own timeline and per-interval admissions, which say so in their names.
+
+One moment still differs: the simulator buckets a first-token or queue-wait latency when it happens,
+the runtime when the request ends (tests/unit/test_observation_parity.py marks it); bucketing them at
+the end here moves the bench's figures, so it waits for a change that may move them.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import INTER_TOKEN, LATENCY_BUCKETS, HistogramWindow, ModelMetrics
+from batchpilot_operator.tuning.model_metrics import INTER_TOKEN, LATENCY_BUCKETS, HistogramWindow, ModelMetrics
 from batchpilot_runtime.contract.metric_names import batch_bucket
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import StepStats
@@ -35,11 +49,11 @@ class Interval:
     latency_buckets: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
     itl_buckets: list[int] = field(default_factory=lambda: [0] * ITL_NUM_BUCKETS)
     arrivals: int = 0
+    ended_requests: int = 0  # finished, or rejected on arrival: batchpilot_requests_total's count
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seqs: int = 0
     admissions: dict[str, int] = field(default_factory=dict)
-    admitted_requests: int = 0
     tail_marked: int = 0
     preempted: int = 0
     step_s_by_bucket: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [sum_s, count]
@@ -51,7 +65,6 @@ class Interval:
         exporter does (a step that prefills anything is a prefill step)."""
         for reason, count in stats.admissions.items():
             self.admissions[reason] = self.admissions.get(reason, 0) + count
-        self.admitted_requests += stats.admitted_requests
         self.tail_marked += stats.tail_marked
         self.preempted += stats.preempted
         if stats.num_decode_seqs:
@@ -87,7 +100,7 @@ def interval_metrics(
     window_s = len(recent) * interval_s
     latency = [0] * NUM_BUCKETS
     itl = [0] * ITL_NUM_BUCKETS
-    arrivals = tokens = decode_steps = decode_seqs = marked = preempted = 0
+    ended = tokens = decode_steps = decode_seqs = marked = preempted = 0
     admissions: dict[str, int] = {}
     step_acc: dict[int, list[float]] = {}
     prefill_acc: dict[int, list[float]] = {}
@@ -99,7 +112,7 @@ def interval_metrics(
         for i, c in enumerate(interval.itl_buckets):
             if c:
                 itl[i] += c
-        arrivals += interval.arrivals
+        ended += interval.ended_requests
         tokens += interval.generated_tokens
         decode_steps += interval.decode_steps
         decode_seqs += interval.decode_seqs
@@ -131,7 +144,7 @@ def interval_metrics(
             str(latency_metric): histogram(latency, _CUMULATIVE_BOUNDS),
             INTER_TOKEN: histogram(itl, _ITL_CUMULATIVE_BOUNDS),
         },
-        requests_per_s=arrivals / window_s,
+        requests_per_s=ended / window_s,
         generated_tokens_per_s=tokens / window_s,
         admissions_per_s={reason: count / window_s for reason, count in admissions.items()},
         tail_marked_per_s=marked / window_s,

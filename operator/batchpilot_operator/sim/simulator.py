@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchpilot_operator.api.profile import LatencyMetric
-from batchpilot_operator.io.observe import ERROR_BUDGET_WINDOW_S, to_observations
 from batchpilot_operator.sim.intervals import (
     ITL_BUCKETS_S,
     ITL_NUM_BUCKETS,
@@ -34,6 +33,7 @@ from batchpilot_operator.sim.intervals import (
     Interval,
     interval_metrics,
 )
+from batchpilot_operator.tuning.model_metrics import ERROR_BUDGET_WINDOW_S, to_observations
 from batchpilot_operator.tuning.observations import NAN, Observations
 from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
@@ -194,7 +194,7 @@ class RequestRecord:
 @dataclass(frozen=True)
 class TimelinePoint:
     t_s: float
-    arrival_rate_per_s: float
+    arrival_rate_per_s: float  # arrivals over the rate window (the observations count requests that ended)
     p99_s: float
     itl_p99_s: float
     queue_depth: int
@@ -265,6 +265,7 @@ class Simulator:
                 next_arrival, rejected = _enqueue_arrivals(sched, requests, first, now_s, records, prompt_cache)
                 tally.misses += rejected
                 current.arrivals += next_arrival - first
+                current.ended_requests += rejected
             # 2. Controller ticks that are due: observe, decide, stage the window.
             if next_tick_s <= now_s:
                 ticks.run_due(now_s, sched)
@@ -428,6 +429,7 @@ class _Tally:
                 record.first_token_s = now_s
             if out.finish_reason is not None:
                 record.finished_s = now_s
+                self.current.ended_requests += 1
                 if metric == LatencyMetric.E2E:
                     self.observe(now_s - record.arrival_s)
 
@@ -464,7 +466,8 @@ class _Ticks:
         tick_s = self.next_tick_s
         current = self.current
         self._count_budget_window(current)
-        obs = Simulator._observations(self.intervals[-self.window_len :], cfg, sched, tick_s, self.budget_counts)
+        recent = self.intervals[-self.window_len :]
+        obs = Simulator._observations(recent, cfg, sched, tick_s, self.budget_counts)
         self.interval_admissions.append((current.arrivals / cfg.interval_s, dict(current.admissions)))
         changed = False
         if self.controller is not None:
@@ -476,7 +479,8 @@ class _Ticks:
                 self.changes += 1
                 changed = True
         if cfg.record_timeline:
-            self.timeline.append(self._point(tick_s, obs, sched, changed))
+            arrival_rate_per_s = sum(interval.arrivals for interval in recent) / (len(recent) * cfg.interval_s)
+            self.timeline.append(self._point(tick_s, arrival_rate_per_s, obs, sched, changed))
         self.current = Interval()
         self.intervals.append(self.current)
         if len(self.intervals) > self.window_len + 1:
@@ -494,11 +498,13 @@ class _Ticks:
             for i, count in enumerate(self.budget_intervals.popleft()):
                 counts[i] -= count
 
-    def _point(self, tick_s: float, obs: Observations, sched: Scheduler, changed: bool) -> TimelinePoint:
+    def _point(
+        self, tick_s: float, arrival_rate_per_s: float, obs: Observations, sched: Scheduler, changed: bool
+    ) -> TimelinePoint:
         window = self.window
         return TimelinePoint(
             tick_s,
-            obs.arrival_rate_per_s,
+            arrival_rate_per_s,
             obs.p99_s if not obs.p99_saturated else math.inf,
             obs.itl_p99_s if not obs.itl_p99_saturated else math.inf,
             sched.num_waiting,

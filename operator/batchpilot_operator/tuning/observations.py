@@ -4,10 +4,11 @@ Every figure is optional: ``NaN`` means unknown (no traffic, no series, a failed
 never zero. Latencies are in **seconds** (``*_s``), as the runtime's histograms export
 them; :meth:`Observations.to_status` converts to the milliseconds of the status block.
 
-The operator fills this from Prometheus (``histogram_quantile`` over a rate window); the
-simulator fills it from the very same histogram buckets
-(:data:`batchpilot_runtime.contract.metric_names.LATENCY_BUCKETS_S`) with
-:func:`histogram_quantile`, so that the policy sees the same coarse figures in both.
+One builder fills it (:func:`batchpilot_operator.tuning.model_metrics.to_observations`) from what
+the operator's metric sources read (Prometheus's ``rate()`` and ``histogram_quantile`` over a rate
+window, or two scrapes of the runtimes) and from the simulator's counts of the same events on the
+very same histogram buckets (:data:`batchpilot_runtime.contract.metric_names.LATENCY_BUCKETS_S`),
+interpolated with :func:`histogram_quantile`, so that the policy sees the same coarse figures in both.
 """
 
 from __future__ import annotations
@@ -84,9 +85,12 @@ def share_above(threshold: float, cumulative: Sequence[tuple[float, float]]) -> 
 class Observations:
     """Figures of one model over the last rate window (summed or maxed over its pods).
 
-    ``batch_hit_ratio`` is the share of admissions fired by the target (not the wait, the
-    tail rule or the cap); ``tail_marked_share`` the share of admitted requests that were
-    tail-marked. ``samples`` is how many latency observations the quantiles rest on (the histogram's
+    ``arrival_rate_per_s`` is the rate of requests that *ended* (completed, aborted or rejected), the
+    runtime's ``batchpilot_requests_total``: it counts no arrivals, and the simulator counts what it
+    counts; in a steady state it is the arrival rate. ``batch_hit_ratio`` is the share of admission
+    groups that filled the batch, fired by the target or by the cap (not by the wait or the tail
+    rule); ``tail_marked_share`` the requests tail-marked (while they waited) per request that ended
+    over the window. ``samples`` is how many latency observations the quantiles rest on (the histogram's
     count increase over the window); the policy refuses to act on too few. ``itl_p99_s`` is the P99
     of the gap between two tokens of one request (``batchpilot_inter_token_seconds``), whatever the
     SLO's latency metric; it rests on far more samples than the per-request quantiles.
