@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, JsonValue
 
+from batchpilot_operator.api.kinds import EngineKind, TuningMode
 from batchpilot_runtime.contract.window import CamelModel, Window
 
 CANARY_MESSAGE = "tuning.canary.enabled needs engine batchpilot and tuning.mode adaptive (or unset)"
@@ -59,7 +60,7 @@ class Canary(CamelModel):
 
 def canary_problems(canary: Canary, engine: str, mode: str) -> list[str]:
     """The rule of :data:`CANARY_RULE`, checked on the parsed spec (``engine`` and the mode in force)."""
-    if canary.enabled and (engine != "batchpilot" or mode != "adaptive"):
+    if canary.enabled and (engine != EngineKind.BATCHPILOT or mode != TuningMode.ADAPTIVE):
         return [f"{CANARY_MESSAGE}; got engine {engine}, tuning.mode {mode}"]
     return []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_operator.control.canary import metrics_url
 from batchpilot_operator.control.records import MetricsSource, PodRecord, ProfileRecord, TickReport
 from batchpilot_operator.io.observe import MetricsUnavailable
@@ -58,7 +59,9 @@ async def collect(
     try:
         engines = sorted({record.spec.engine.value for record in due if record.spec is not None})
         # batchpilot alone is every source's default: sources that know no other engine need not take it.
-        collected = await (source.collect(targets) if engines == ["batchpilot"] else source.collect(targets, engines))
+        collected = await (
+            source.collect(targets) if engines == [EngineKind.BATCHPILOT] else source.collect(targets, engines)
+        )
     except MetricsUnavailable as error:
         metrics_error = str(error)
         metrics.query_errors.labels(query="all").inc()

@@ -16,7 +16,7 @@ whatever fits at every step, so they hold only in front of it (batchpilot-gate).
 
 from __future__ import annotations
 
-from batchpilot_operator.io.engine_metrics import LLAMACPP, SGLANG, VLLM
+from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_runtime.contract.window import Window
 
 
@@ -46,11 +46,11 @@ def llamacpp_flags(window: Window) -> dict[str, int]:
 
 def engine_settings(engine: str, window: Window) -> dict[str, int]:
     """``window`` as ``engine`` spells it; empty for batchpilot, which takes the window itself."""
-    if engine == VLLM:
+    if engine == EngineKind.VLLM:
         return vllm_args(window)
-    if engine == SGLANG:
+    if engine == EngineKind.SGLANG:
         return sglang_server_args(window)
-    if engine == LLAMACPP:
+    if engine == EngineKind.LLAMACPP:
         return llamacpp_flags(window)
     return {}
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from batchpilot_operator.api.canary import CanaryStatus
+from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_operator.api.profile import BatchProfileSpec, format_validation_error
 from batchpilot_operator.api.status import Decision
 from batchpilot_operator.control.conditions import PENDING_METRICS, PodFailure
@@ -25,7 +26,7 @@ from batchpilot_runtime.contract.window import Window
 
 class MetricsSource(Protocol):
     async def collect(
-        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = ("batchpilot",)
+        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = (EngineKind.BATCHPILOT,)
     ) -> dict[ModelKey, ModelMetrics]:
         """Every target's metrics; ``engines``: the engine kinds (spec.engine) of the profiles collected for."""
         ...

@@ -32,11 +32,12 @@ from typing import Any, TextIO
 
 import httpx
 
+from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_operator.api.manifests import LoadedProfile, load_profiles
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
 from batchpilot_operator.control.engine_knobs import describe_settings, engine_settings
 from batchpilot_operator.control.status import apply_merge_patch
-from batchpilot_operator.io.engine_metrics import BATCHPILOT, ENGINES, LLAMACPP, SGLANG
+from batchpilot_operator.io.engine_metrics import ENGINES
 from batchpilot_operator.io.opmetrics import OperatorMetrics
 from batchpilot_operator.io.push import AdminClient
 from batchpilot_operator.tuning import policy as policy_mod
@@ -53,7 +54,7 @@ class RuntimeSpec:
     admin: str  # admin base URL
     token: str | None
     name: str
-    engine: str = BATCHPILOT
+    engine: str = EngineKind.BATCHPILOT
     engine_url: str = ""  # llamacpp: llama-server's base URL, whose /metrics is scraped beside the gate's
 
 
@@ -74,15 +75,17 @@ def parse_runtime(text: str, index: int = 0) -> RuntimeSpec:
         if key not in RUNTIME_KEYS:
             raise ValueError(f"--runtime {text!r}: unknown key {key!r} (known: {', '.join(RUNTIME_KEYS)})")
         fields[key] = value.strip()
-    engine = fields.get("engine") or BATCHPILOT
+    engine = fields.get("engine") or EngineKind.BATCHPILOT
     if engine not in ENGINES:
         raise ValueError(f"--runtime {text!r}: unknown engine {engine!r} (known: {', '.join(ENGINES)})")
-    if engine == SGLANG:
+    if engine == EngineKind.SGLANG:
         fields.setdefault("admin", fields.get("url", ""))
-    for required in ("model", "url", "admin") if engine in (BATCHPILOT, LLAMACPP) else ("model", "url"):
+    for required in (
+        ("model", "url", "admin") if engine in (EngineKind.BATCHPILOT, EngineKind.LLAMACPP) else ("model", "url")
+    ):
         if not fields.get(required):
             raise ValueError(f"--runtime {text!r}: {required}= is required")
-    if fields.get("engine-url") and engine != LLAMACPP:
+    if fields.get("engine-url") and engine != EngineKind.LLAMACPP:
         raise ValueError(f"--runtime {text!r}: engine-url= is for engine=llamacpp (the engine behind the gate)")
     for key in ("url", "admin", "engine-url"):
         if key not in fields or (key == "admin" and not fields[key]):
@@ -200,7 +203,7 @@ def print_decision(out: TextIO, output: str = "text") -> Any:
 
     def on_decision(record: ProfileRecord, decision: policy_mod.Decision) -> None:
         mode = record.spec.mode.value if record.spec else "?"
-        engine = record.spec.engine.value if record.spec else BATCHPILOT
+        engine = record.spec.engine.value if record.spec else EngineKind.BATCHPILOT.value
         direction = decision.direction if mode not in ("recommend", "restart") or not decision.changed else "recommend"
         # The window in the engine's own settings (vLLM's flags, SGLang's server args); none for batchpilot.
         settings = engine_settings(engine, decision.window)

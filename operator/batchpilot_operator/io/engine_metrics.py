@@ -56,12 +56,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_operator.tuning.model_metrics import INTER_TOKEN
-
-BATCHPILOT = "batchpilot"
-VLLM = "vllm"
-SGLANG = "sglang"
-LLAMACPP = "llamacpp"
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ class EngineMetricNames:
     Every tuple lists a metric's names newest first; an older name is read only where the newer is absent.
     """
 
-    engine: str
+    engine: EngineKind
     model_label: str
     latency: Mapping[str, tuple[str, ...]]  # LATENCY_HISTOGRAMS key -> histogram names
     counters: Mapping[str, str]  # MetricsBuilder rate series -> counter name (as exposed, with _total)
@@ -87,7 +83,7 @@ class EngineMetricNames:
 
 
 VLLM_NAMES = EngineMetricNames(
-    engine=VLLM,
+    engine=EngineKind.VLLM,
     model_label="model_name",
     latency={
         "ttft": ("vllm:time_to_first_token_seconds",),
@@ -110,7 +106,7 @@ VLLM_NAMES = EngineMetricNames(
 )
 
 SGLANG_NAMES = EngineMetricNames(
-    engine=SGLANG,
+    engine=EngineKind.SGLANG,
     model_label="model_name",
     latency={
         "ttft": ("sglang:time_to_first_token_seconds",),
@@ -133,7 +129,7 @@ SGLANG_NAMES = EngineMetricNames(
 )
 
 LLAMACPP_NAMES = EngineMetricNames(
-    engine=LLAMACPP,
+    engine=EngineKind.LLAMACPP,
     model_label="model",  # not llama-server's: the scrape's (the target's model, or a relabelling's label)
     latency={},  # from the gate in front of it
     counters={
@@ -151,10 +147,14 @@ LLAMACPP_NAMES = EngineMetricNames(
 )
 
 # The engines read through a table (batchpilot's own names come from the runtime's contract).
-FOREIGN_ENGINES: dict[str, EngineMetricNames] = {VLLM: VLLM_NAMES, SGLANG: SGLANG_NAMES, LLAMACPP: LLAMACPP_NAMES}
-ENGINES = (BATCHPILOT, *FOREIGN_ENGINES)
+FOREIGN_ENGINES: dict[str, EngineMetricNames] = {
+    EngineKind.VLLM: VLLM_NAMES,
+    EngineKind.SGLANG: SGLANG_NAMES,
+    EngineKind.LLAMACPP: LLAMACPP_NAMES,
+}
+ENGINES = tuple(EngineKind)
 # Engines whose pods run batchpilot-gate in front of them: the gate's batchpilot_* series are read for them too.
-GATED_ENGINES = frozenset({LLAMACPP})
+GATED_ENGINES = frozenset({EngineKind.LLAMACPP})
 
 
 @dataclass(frozen=True)

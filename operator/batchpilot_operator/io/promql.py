@@ -29,8 +29,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_operator.io.engine_metrics import (
-    BATCHPILOT,
     ENGINES,
     FOREIGN_ENGINES,
     GATED_ENGINES,
@@ -98,7 +98,7 @@ def _foreign_engines(engines: Collection[str]) -> list[EngineMetricNames]:
     """The names of each engine in ``engines`` other than batchpilot, in a stable order; ValueError
     naming an unknown one."""
     known = []
-    for engine in sorted(set(engines) - {BATCHPILOT}):
+    for engine in sorted(set(engines) - {EngineKind.BATCHPILOT}):
         names = FOREIGN_ENGINES.get(engine)
         if names is None:
             raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
@@ -116,7 +116,7 @@ def _gap_window(histograms: Sequence[str], by: str) -> str:
 
 
 def build_gap_hour_query(
-    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL, engines: Collection[str] = (BATCHPILOT,)
+    namespace_label: str | None = DEFAULT_NAMESPACE_LABEL, engines: Collection[str] = (EngineKind.BATCHPILOT,)
 ) -> str:
     """The gaps' histogram over the error budget's hour, every model of every engine in one query.
 
@@ -135,7 +135,7 @@ def build_gap_hour_query(
 
 def _reads_batchpilot(engines: Collection[str]) -> bool:
     """Whether the queries read batchpilot's names: for its runtime, and for the gate in front of an engine."""
-    return BATCHPILOT in engines or bool(GATED_ENGINES & set(engines))
+    return EngineKind.BATCHPILOT in engines or bool(GATED_ENGINES & set(engines))
 
 
 def _increase(factors: Sequence[str], window_s: int) -> str:
@@ -192,7 +192,7 @@ def _foreign_parts(names: EngineMetricNames, namespace_label: str | None, window
 def build_queries(
     window_s: int,
     namespace_label: str | None = DEFAULT_NAMESPACE_LABEL,
-    engines: Collection[str] = (BATCHPILOT,),
+    engines: Collection[str] = (EngineKind.BATCHPILOT,),
 ) -> dict[str, str]:
     """The grouped queries of one interval, by name: three, whatever the number of profiles and engines.
     batchpilot's names come from the runtime's contract, the other engines' from
@@ -443,7 +443,7 @@ class PrometheusSource:
         return result
 
     async def collect(
-        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = (BATCHPILOT,)
+        self, targets: Mapping[ModelKey, Sequence[str]], engines: Collection[str] = (EngineKind.BATCHPILOT,)
     ) -> dict[ModelKey, ModelMetrics]:
         """Run the grouped queries concurrently; raise MetricsUnavailable naming the cause on any failure.
 
