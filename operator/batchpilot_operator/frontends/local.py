@@ -36,6 +36,7 @@ from batchpilot_operator.api.kinds import EngineKind
 from batchpilot_operator.api.manifests import LoadedProfile, load_profiles
 from batchpilot_operator.control.controller import Controller, PodRecord, ProfileRecord, ProfileRef, Settings
 from batchpilot_operator.control.engine_knobs import describe_settings, engine_settings
+from batchpilot_operator.control.settings import DEFAULT_SETTINGS
 from batchpilot_operator.control.status import apply_merge_patch
 from batchpilot_operator.io.engine_metrics import ENGINES
 from batchpilot_operator.io.opmetrics import OperatorMetrics
@@ -239,7 +240,7 @@ async def run_local(
     *,
     prometheus_url: str | None = None,
     interval_s: float | None = None,
-    scrape_interval_s: float = 15.0,
+    scrape_interval_s: float = DEFAULT_SETTINGS.scrape_interval_s,
     push_timeout_s: float = 2.0,
     query_timeout_s: float = 3.0,
     duration_s: float | None = None,
