@@ -100,6 +100,12 @@ class StepLog:
     def on_request_finished(self, timings: RequestTimings, outcome: str) -> None:
         pass
 
+    def on_admitted(self, lane: str, queue_wait_s: float) -> None:
+        pass
+
+    def on_first_token(self, lane: str, ttft_s: float) -> None:
+        pass
+
     def on_tokens(self, lane: str, inter_token_gaps_s: Sequence[float]) -> None:
         pass
 

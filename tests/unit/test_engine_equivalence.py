@@ -49,6 +49,14 @@ class Recorder:
     finished: list[tuple[RequestTimings, str]] = field(default_factory=list)
     gaps: int = 0
     windows: list[WindowState] = field(default_factory=list)
+    admitted: list[tuple[str, float]] = field(default_factory=list)
+    first_tokens: list[tuple[str, float]] = field(default_factory=list)
+
+    def on_admitted(self, lane: str, queue_wait_s: float) -> None:
+        self.admitted.append((lane, queue_wait_s))
+
+    def on_first_token(self, lane: str, ttft_s: float) -> None:
+        self.first_tokens.append((lane, ttft_s))
 
     def on_step(self, stats: StepStats, step_seconds: float, forward_seconds: float) -> None:
         assert 0.0 <= forward_seconds <= step_seconds
@@ -186,6 +194,12 @@ def test_preemption_matches_alone(requests: list[GenerationRequest], alone: dict
     assert sum(stats.preempted for stats in recorder.steps) > 0
     assert any(timings.preemptions > 0 for timings, _ in recorder.finished)
     assert engine.scheduler.kv_usage_ratio == 0.0
+    # A preempted request's wait and TTFT are observed once, when they happened: the first admission
+    # and the first token its timings carry, resumes and recomputed tokens not again.
+    waits = sorted(t.queue_wait_s or 0.0 for t, _ in recorder.finished)
+    ttfts = sorted(t.ttft_s or 0.0 for t, _ in recorder.finished)
+    assert sorted(wait for _, wait in recorder.admitted) == pytest.approx(waits)
+    assert sorted(ttft for _, ttft in recorder.first_tokens) == pytest.approx(ttfts)
 
 
 def test_chunked_prefill_with_preemption_matches_alone(

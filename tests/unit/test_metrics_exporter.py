@@ -129,10 +129,10 @@ def test_an_empty_step_updates_gauges_only() -> None:
 def test_finished_request_feeds_latency_histograms_by_lane() -> None:
     exporter = MetricsExporter("m", ["default", "critical"])
     exporter.on_request_finished(make_timings(lane="critical"), "completed")
-    assert value(exporter, f"{mn.QUEUE_WAIT_SECONDS}_sum", lane="critical") == pytest.approx(0.05)
-    assert value(exporter, f"{mn.TTFT_SECONDS}_sum", lane="critical") == pytest.approx(0.2)
     assert value(exporter, f"{mn.REQUEST_LATENCY_SECONDS}_sum", lane="critical") == pytest.approx(1.0)
-    assert value(exporter, f"{mn.TTFT_SECONDS}_count", lane="default") == 0.0
+    # Its queue wait and TTFT were observed when they happened, not again at its end.
+    assert value(exporter, f"{mn.QUEUE_WAIT_SECONDS}_count", lane="critical") == 0.0
+    assert value(exporter, f"{mn.TTFT_SECONDS}_count", lane="critical") == 0.0
     assert value(exporter, mn.REQUESTS_TOTAL, outcome="completed") == 1.0
     assert value(exporter, mn.PROMPT_TOKENS_TOTAL) == 12.0
 
@@ -149,7 +149,32 @@ def test_cancelled_before_admission_counts_no_latency() -> None:
 def test_a_lane_first_seen_in_timings_gets_its_series() -> None:
     exporter = MetricsExporter("m")
     exporter.on_request_finished(make_timings(lane="bulk"), "completed")
+    assert value(exporter, f"{mn.TTFT_SECONDS}_count", lane="bulk") == 0.0
+    assert value(exporter, f"{mn.REQUEST_LATENCY_SECONDS}_count", lane="bulk") == 1.0
+
+
+def test_queue_wait_is_observed_at_admission_by_lane() -> None:
+    exporter = MetricsExporter("m", ["default", "critical"])
+    exporter.on_admitted("critical", 0.05)
+    assert value(exporter, f"{mn.QUEUE_WAIT_SECONDS}_sum", lane="critical") == pytest.approx(0.05)
+    assert value(exporter, f"{mn.QUEUE_WAIT_SECONDS}_count", lane="critical") == 1.0
+    assert value(exporter, f"{mn.QUEUE_WAIT_SECONDS}_count", lane="default") == 0.0
+    assert value(exporter, mn.REQUESTS_TOTAL, outcome="completed") == 0.0
+
+
+def test_a_request_still_decoding_has_its_ttft_in_the_histogram() -> None:
+    exporter = MetricsExporter("m")
+    exporter.on_admitted("bulk", 0.05)
+    exporter.on_first_token("bulk", 0.2)
+    exporter.on_tokens("bulk", [0.01, 0.01])
+    assert value(exporter, f"{mn.TTFT_SECONDS}_sum", lane="bulk") == pytest.approx(0.2)
     assert value(exporter, f"{mn.TTFT_SECONDS}_count", lane="bulk") == 1.0
+    assert value(exporter, f"{mn.REQUEST_LATENCY_SECONDS}_count", lane="bulk") == 0.0
+    # Its end adds the end-to-end latency and the outcome, not a second TTFT or wait.
+    exporter.on_request_finished(make_timings(lane="bulk"), "completed")
+    assert value(exporter, f"{mn.TTFT_SECONDS}_count", lane="bulk") == 1.0
+    assert value(exporter, f"{mn.QUEUE_WAIT_SECONDS}_count", lane="bulk") == 1.0
+    assert value(exporter, f"{mn.REQUEST_LATENCY_SECONDS}_count", lane="bulk") == 1.0
 
 
 def test_inter_token_gaps_tokens_and_rejections() -> None:

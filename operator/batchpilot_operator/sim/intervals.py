@@ -16,9 +16,9 @@ the ``bench_slo`` capacities and at-capacity figures identical to the digit, so 
 measures the policy the operator runs. Arrivals are still counted (:attr:`Interval.arrivals`) for
 the simulator's own timeline and per-interval admissions, which say so in their names.
 
-One moment still differs: the simulator buckets a first-token or queue-wait latency when it happens,
-the runtime when the request ends (tests/unit/test_observation_parity.py marks it); bucketing them at
-the end here moves the bench's figures, so it waits for a change that may move them.
+A first-token or queue-wait latency is bucketed when it happens, as the runtime and the gate observe
+them (at the first token, at the first admission), and vLLM its TTFT; an end-to-end latency when the
+request ends (tests/unit/test_observation_parity.py checks every field).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from batchpilot_runtime.model.sources import load_checkpoint, resolve_checkpoint
 from batchpilot_runtime.model.tokenizer import Tokenizer, load_tokenizer
 from batchpilot_runtime.scheduling.lanes import check_window
 from batchpilot_runtime.scheduling.scheduler import Scheduler
-from batchpilot_runtime.scheduling.types import RequestOutput, SchedulerConfig
+from batchpilot_runtime.scheduling.types import RequestOutput, SchedulerConfig, StepPlan
 
 Clock = Callable[[], float]
 Batching = Literal["continuous", "static"]
@@ -56,8 +56,10 @@ class _LiveRequest:
     seeded request draws the same random numbers whether or not it was recomputed)."""
 
     lane: str
+    arrival_s: float
     params: SamplingParams
     generator: torch.Generator | None
+    admitted: bool = False  # first scheduled (a resume after a preemption is no new admission)
     last_token_s: float | None = None
 
 
@@ -189,7 +191,9 @@ class Engine:
         request = accepted.request
         self.scheduler.enqueue(request)
         generator = make_generator(accepted.params, self.device)
-        self._live[request.request_id] = _LiveRequest(request.lane, accepted.params, generator)
+        self._live[request.request_id] = _LiveRequest(
+            request.lane, accepted.request.arrival_s, accepted.params, generator
+        )
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request and free its KV; None when it is unknown or already finished."""
@@ -232,9 +236,12 @@ class Engine:
         """Run one step; returns the new tokens and finished requests (empty when nothing ran)."""
         step_start = time.perf_counter()
         # 1. Plan: admissions, chunking, preemptions; a staged window takes effect here.
-        plan = self.scheduler.schedule(self.clock())
+        schedule_s = self.clock()
+        plan = self.scheduler.schedule(schedule_s)
         if plan.is_empty:
             return []
+        if self.observer is not None:
+            self._observe_admissions(plan, schedule_s)
         # 2. One forward over every scheduled token: prompt chunks and decodes together (the
         #    model groups attention by query length itself).
         batch = ForwardBatch.build(plan.seqs, self.block_size, self.device)
@@ -261,6 +268,16 @@ class Engine:
             self.observer.on_step(plan.stats, time.perf_counter() - step_start, forward_s)
         return events
 
+    def _observe_admissions(self, plan: StepPlan, schedule_s: float) -> None:
+        # An admitted request gets its first prompt chunk in the step that admits it, so its first
+        # plan is its admission, at the very time the scheduler records as first_admitted_s.
+        assert self.observer is not None
+        for seq in plan.seqs:
+            live = self._live.get(seq.request_id)
+            if live is not None and not live.admitted:
+                live.admitted = True
+                self.observer.on_admitted(live.lane, schedule_s - live.arrival_s)
+
     def _events(self, outputs: Sequence[RequestOutput], now_s: float) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         gaps_by_lane: dict[str, list[float]] = {}
@@ -269,6 +286,8 @@ class Engine:
             if output.token_id is not None and live is not None:
                 if live.last_token_s is not None:
                     gaps_by_lane.setdefault(live.lane, []).append(now_s - live.last_token_s)
+                elif self.observer is not None:
+                    self.observer.on_first_token(live.lane, now_s - live.arrival_s)
                 live.last_token_s = now_s
             if output.finish_reason is None:
                 events.append(TokenEvent(output.request_id, output.token_id, None))

@@ -84,9 +84,17 @@ class EngineLoad:
 
 
 class EngineObserver(Protocol):
-    """Implemented by the server's metrics layer; every call comes from the engine thread."""
+    """Implemented by the server's metrics layer; every call comes from the engine thread.
+
+    ``on_admitted`` (a request's first admission: its queue wait) and ``on_first_token`` (its TTFT)
+    come when they happen, once per request (a resume after a preemption is neither), as vLLM
+    observes its TTFT; a request that ends before either simply never reports it."""
 
     def on_step(self, stats: StepStats, step_seconds: float, forward_seconds: float) -> None: ...
+
+    def on_admitted(self, lane: str, queue_wait_s: float) -> None: ...
+
+    def on_first_token(self, lane: str, ttft_s: float) -> None: ...
 
     def on_request_finished(self, timings: RequestTimings, outcome: str) -> None: ...
 

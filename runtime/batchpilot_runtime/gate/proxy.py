@@ -326,7 +326,9 @@ class GateApp:
     async def _forward(
         self, scope: Scope, body: bytes, admission: asyncio.Future[Admitted], exchange: _Exchange, send: Send
     ) -> None:
-        exchange.admitted = await admission
+        exchange.admitted = admitted = await admission
+        # Observed at admission, as the runtime observes its own, not when the request ends.
+        self.gate.metrics.on_admitted(exchange.lane, admitted.admitted_s - exchange.arrival_s)
         headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
         slot, client = self.slots.take()
         exchange.upstream = client
@@ -379,7 +381,10 @@ class GateApp:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 now_s = clock()
                 if streamed:
+                    first = exchange.first_chunk_s is None
                     self._observe_chunk(exchange, chunk, now_s)
+                    if first and exchange.first_chunk_s is not None:  # the TTFT, observed when it happens
+                        self.gate.metrics.on_first_token(exchange.lane, now_s - exchange.arrival_s)
                 exchange.tail += chunk
                 if len(exchange.tail) > 2 * TAIL_BYTES:
                     del exchange.tail[:-TAIL_BYTES]

@@ -97,7 +97,8 @@ class Gate:
             self.idle.set()
 
     def finished(self, timings: RequestTimings, outcome: str, generated_tokens: int, gaps_s: list[float]) -> None:
-        """Export one ended request as the runtime would (its wait, TTFT, latency, gaps and tokens)."""
+        """Export one ended request as the runtime would (its latency, outcome, gaps and tokens; its wait and
+        TTFT were observed when they happened)."""
         self.metrics.on_request_finished(timings, outcome)
         if gaps_s:
             self.metrics.on_tokens(timings.lane, gaps_s)

@@ -121,18 +121,19 @@ class MetricsExporter:
             self._counters[mn.PREEMPTIONS_TOTAL].labels(model=model).inc(stats.preempted)
         self.set_load(stats.queue_depth, stats.running, stats.kv_usage_ratio)
 
+    def on_admitted(self, lane: str, queue_wait_s: float) -> None:
+        self.add_lanes((lane,))
+        self._histograms[mn.QUEUE_WAIT_SECONDS].labels(model=self.model_name, lane=lane).observe(max(0.0, queue_wait_s))
+
+    def on_first_token(self, lane: str, ttft_s: float) -> None:
+        self.add_lanes((lane,))
+        self._histograms[mn.TTFT_SECONDS].labels(model=self.model_name, lane=lane).observe(max(0.0, ttft_s))
+
     def on_request_finished(self, timings: RequestTimings, outcome: str) -> None:
+        # The queue wait and TTFT were observed when they happened (on_admitted, on_first_token).
         model = self.model_name
         lane = timings.lane
         self.add_lanes((lane,))
-        if timings.first_admitted_s is not None:
-            self._histograms[mn.QUEUE_WAIT_SECONDS].labels(model=model, lane=lane).observe(
-                max(0.0, timings.first_admitted_s - timings.arrival_s)
-            )
-        if timings.first_token_s is not None:
-            self._histograms[mn.TTFT_SECONDS].labels(model=model, lane=lane).observe(
-                max(0.0, timings.first_token_s - timings.arrival_s)
-            )
         label = normalize_outcome(outcome)
         if label == "completed" and timings.finished_s is not None:
             self._histograms[mn.REQUEST_LATENCY_SECONDS].labels(model=model, lane=lane).observe(
