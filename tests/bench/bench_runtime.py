@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from collections import deque
@@ -53,6 +54,10 @@ from batchpilot_runtime.model.sources import load_checkpoint, resolve_checkpoint
 from batchpilot_runtime.model.tokenizer import ByteTokenizer
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import RequestTimings, SchedulerConfig, StepStats
+
+if __package__ in (None, ""):  # run as a script: the repository root makes ``tests.bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from tests.bench.runtime_report import (
     add_comparisons,
     build_result,
