@@ -20,10 +20,13 @@ set -euo pipefail
 # `/props` (total_slots) and the OpenAI-compatible routes the tests use.
 version=0.3.36
 sdist_sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+# The recipe's revision: bump it when the build flags change, so that a machine's cache of an older
+# recipe is rebuilt instead of reused. r2: no AMX tiles (see the flags below).
+recipe=r2
 
 python=${PYTHON:-python3}
 cache_root=${BATCHPILOT_CACHE_DIR:-$HOME/.cache/batchpilot}/llama-server
-cache=$cache_root/$version
+cache=$cache_root/$version-$recipe
 binary=$cache/bin/llama-server
 
 if [ "${1:-}" = "--path" ]; then
@@ -65,8 +68,14 @@ if [ ! -f "$cache/.complete" ]; then
     generator=(-G Ninja)
   fi
   echo "llama-server: [3/4] configuring (CPU only, Release, static)"
+  # GGML_NATIVE compiles for this CPU, AMX tiles included where it has them (Sapphire Rapids and later);
+  # ggml's AMX matmul then crashes with SIGSEGV on the first forward pass when the kernel does not grant
+  # the process the tile state (seen on a 2-core VM whose CPU lists amx_tile and amx_int8). Explicit
+  # -mno-amx-* flags win over what -march=native implies in GCC, so the AVX-512 kernels are kept.
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   cmake -S "$src" -B "$work/build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON \
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_HIP=OFF -DGGML_SYCL=OFF \
@@ -95,8 +104,8 @@ if [ ! -f "$cache/.complete" ]; then
   cp "$work/build/bin/llama-server" "$cache.partial/bin/llama-server"
   cp "$src/LICENSE" "$cache.partial/LICENSE"
   elapsed=$(( $(date +%s) - start ))
-  printf 'llama-cpp-python %s\nsdist sha256 %s\nbuild seconds %s (-j %s)\n' \
-    "$version" "$sdist_sha256" "$elapsed" "$jobs" >"$cache.partial/BUILD-INFO"
+  printf 'llama-cpp-python %s\nsdist sha256 %s\nrecipe %s (%s)\nbuild seconds %s (-j %s)\n' \
+    "$version" "$sdist_sha256" "$recipe" "$no_amx" "$elapsed" "$jobs" >"$cache.partial/BUILD-INFO"
   touch "$cache.partial/.complete"
   rm -rf "$cache"
   mv "$cache.partial" "$cache"
