@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="forward runs per step; the fastest is kept")
     parser.add_argument("--kv-cache-tokens", type=int, default=65_536)
     parser.add_argument("--max-seconds", type=float, default=120.0, help="stop adding scenarios after this long")
-    parser.add_argument("--name", default=None, help="profile name (default: '<preset>-<device>')")
+    parser.add_argument("--name", default=None, help="profile name (default: '<checkpoint or preset>-<device>')")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the fitted model as JSON here")
     parser.set_defaults(handler=_run)
 
@@ -89,11 +89,13 @@ def _run(args: argparse.Namespace) -> int:
                     stopped_early = True
                     break
                 scenarios.run(batch, prompt, staggered, record=True)
-    name = args.name or f"{args.preset}-{device.type}"
+    # The model timed: a checkpoint when one is given (the preset is then unused), else the preset.
+    model = f"checkpoint {Path(args.checkpoint).name}" if args.checkpoint else f"preset {args.preset}"
+    name = args.name or f"{Path(args.checkpoint).name if args.checkpoint else args.preset}-{device.type}"
     fit = fit_cost_model(
         scenarios.samples,
         name=name,
-        source=f"batchpilot-runtime calibrate on this machine ({device.type}, preset {args.preset}, "
+        source=f"batchpilot-runtime calibrate on this machine ({device.type}, {model}, "
         f"{len(scenarios.samples)} timed steps)",
         kv_capacity_tokens=engine.scheduler.capacity_tokens,
     )
