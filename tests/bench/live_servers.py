@@ -100,6 +100,29 @@ def runtime_flags(window: Window) -> list[str]:
 
 
 @contextmanager
+def _child(command: list[str], log_path: Path, what: str, written: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` as a process logging to ``log_path``, once it has written ``written`` (its ready or status
+    file); an error with the log's end if it exits first. Terminated (killed after 30 s) on the way out."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {process.returncode}: {log_path.read_text()[-3000:]}")
+            return written.exists()
+
+        wait_until(ready, START_TIMEOUT_S, f"{what} to write {written.name}", interval_s=0.05)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@contextmanager
 def gate_process(workdir: Path, upstream: str, window: Window, max_hard_cap: int) -> Iterator[RuntimeInfo]:
     workdir.mkdir(parents=True, exist_ok=True)
     token_file, ready_file = workdir / "gate-token", workdir / "gate.ready.json"
@@ -110,23 +133,8 @@ def gate_process(workdir: Path, upstream: str, window: Window, max_hard_cap: int
                str(token_file), "--target-batch-size", str(window.target_batch_size), "--hard-cap",
                str(window.hard_cap), "--max-wait-ms", str(window.max_wait_ms), "--max-hard-cap", str(max_hard_cap),
                "--max-queue", "4096", "--engine-metrics", "/metrics", "--log-level", "warning"]  # fmt: skip
-    with (workdir / "gate.log").open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                raise RuntimeError(f"the gate exited with {process.returncode}: {(workdir / 'gate.log').read_text()}")
-            return ready_file.exists()
-
-        wait_until(ready, START_TIMEOUT_S, "the gate's ready file", interval_s=0.05)
+    with _child(command, workdir / "gate.log", "the gate", ready_file):
         yield RuntimeInfo.read(ready_file)
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def profile(setup: EngineSetup, served: Served, slo_ms: tuple[float, float], interval_s: int) -> dict[str, Any]:
@@ -171,27 +179,12 @@ def local_operator(
     profiles.write_text(yaml.safe_dump(spec))
     command = [sys.executable, "-m", "batchpilot_operator.cli.main", "local", "--profiles", str(profiles),
                "--runtime", runtime, "--interval", str(interval_s), "--status-file", str(status)]  # fmt: skip
-    with (workdir / "operator.log").open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-
-        def started() -> bool:
-            if process.poll() is not None:
-                raise RuntimeError(f"the operator exited: {(workdir / 'operator.log').read_text()[-3000:]}")
-            return status.exists()
-
-        wait_until(started, START_TIMEOUT_S, "the operator's first status", interval_s=0.1)
+    with _child(command, workdir / "operator.log", "the operator", status) as process:
         refused = [c["message"] for entry in json.loads(status.read_text()).values()
                    for c in entry.get("conditions", []) if c.get("reason") == "InvalidSpec"]  # fmt: skip
         if refused:
             raise RuntimeError(f"the operator refused the benchmark's profile: {refused[0]}")
         yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @contextmanager
