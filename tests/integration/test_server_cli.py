@@ -54,6 +54,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
         "DEVICE": "cpu",
         "THREADS": "1",
         "BATCH_INVARIANT": "1",
+        "STEP_LOG": str(tmp_path / "steps.jsonl"),
     }
     for key, value in env.items():
         monkeypatch.setenv(f"BATCHPILOT_{key}", value)
@@ -72,6 +73,7 @@ def test_every_flag_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch,
     assert config.device == "cpu"
     assert config.threads == 1
     assert config.batch_invariant is True
+    assert config.step_log == tmp_path / "steps.jsonl"
     # A flag on the command line wins over its variable.
     assert config_from_args(parse("--hard-cap", "6")).window.hard_cap == 6
 

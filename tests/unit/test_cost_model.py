@@ -141,8 +141,24 @@ def test_calibrate_fits_the_real_engine_and_simulate_can_load_it(tmp_path: Path)
     assert costs["source"] == "tiny-cpu"
 
 
+def test_calibrate_reaches_every_context_and_batch_size_in_its_first_rounds() -> None:
+    from batchpilot_runtime.cli.calibrate import scenario_order
+
+    order = scenario_order([1, 2, 4, 8, 16, 32], [16, 64, 256, 1024], max_step_tokens=4096)
+    # Every scenario that fits, once; a staggered variant only where there is a second request.
+    expected = {(b, p, s) for b in (1, 2, 4, 8, 16, 32) for p in (16, 64, 256, 1024) for s in (False, True)
+                if b * p <= 4096 and (b > 1 or not s)}  # fmt: skip
+    assert sorted(order) == sorted(expected) and len(order) == len(expected)
+    # The first round: one request of every prompt length; the second: the widest batch each allows.
+    assert order[:4] == [(1, 16, False), (1, 64, False), (1, 256, False), (1, 1024, False)]
+    assert [s[:2] for s in order[4:12:2]] == [(32, 16), (32, 64), (16, 256), (4, 1024)]
+    assert scenario_order([1, 2], [4096], max_step_tokens=1024) == []
+
+
 def test_calibrate_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
     from batchpilot_runtime.cli.main import main
 
     assert main(["calibrate", "--batch-sizes", "0,2"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+    assert main(["calibrate", "--max-step-tokens", "0"]) == 2
+    assert "--max-step-tokens" in capsys.readouterr().err

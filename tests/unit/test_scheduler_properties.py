@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from batchpilot_runtime.contract.admin_api import LaneWindow
 from batchpilot_runtime.contract.window import Window
+from batchpilot_runtime.replay.cost_model import StepComposition
 from batchpilot_runtime.scheduling.scheduler import Scheduler
 from batchpilot_runtime.scheduling.types import (
     QueueFullError,
@@ -291,6 +292,8 @@ class _Replay:
         if staged_before is not None:
             assert scheduler.window == staged_before
         assert plan.stats.window_generation == scheduler.window.generation
+        # The step's KV term, as the cost model charges it (and serve --step-log writes it).
+        assert plan.stats.kv_tokens == StepComposition.from_seqs(plan.seqs).kv_tokens
         _check_step_invariants(scheduler, result, running_before)
         newly_running = set(scheduler.running_ids()) - running_before
         if self.w.batching == "static" and batch_in_progress:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Any
 
 from batchpilot_runtime.cli.args import add_env_flag, add_lane_flag, add_listen_flags, dtype_name, positive_int
@@ -115,6 +116,13 @@ def _add_network_args(parser: argparse.ArgumentParser) -> None:
         "(keep it above the longest prefill step)",
     )
     add_env_flag(net, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    add_env_flag(
+        net,
+        "--step-log",
+        type=Path,
+        help="write every engine step (its prompt tokens, decoding sequences, KV tokens and seconds) to this file "
+        "as JSON lines, for `batchpilot-runtime calibrate --from-step-log`",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -156,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         drain_timeout_s=args.drain_timeout_s,
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         log_level=args.log_level,
+        step_log=args.step_log,
     )
 
 

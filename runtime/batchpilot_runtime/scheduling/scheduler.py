@@ -354,6 +354,7 @@ class Scheduler:
             running=len(self._running),
             kv_usage_ratio=self._kv.usage_ratio,
             window_generation=self._window.generation,
+            kv_tokens=sum(seq.start_pos + len(seq.token_ids) for seq in acc.seqs),
         )
         return StepPlan(tuple(acc.seqs), tuple(acc.preempted), stats)
 

@@ -112,6 +112,7 @@ class StepStats:
     running: int
     kv_usage_ratio: float
     window_generation: int
+    kv_tokens: int = 0  # the context every scheduled sequence attends to, summed (the cost model's KV term)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ class ServeConfig:
     drain_timeout_s: float = 600.0
     engine_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # pending requests without a step: /healthz fails
     log_level: str = "info"
+    step_log: Path | None = None  # every engine step as a JSON line (server/step_log.py)
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -46,6 +47,7 @@ class LoadedModel:
     engine: AsyncEngine
     tokenizer: TextCodec
     max_model_len: int  # prompt + output tokens of one request
+    on_stop: Callable[[], None] | None = None  # after the engine has stopped (closes the step log)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from batchpilot_runtime.server.context import LoadedModel, ServingContext, TextC
 from batchpilot_runtime.server.listen import QuietServer, bind_socket, http_server, load_admin_token, url_of
 from batchpilot_runtime.server.metrics import MetricsExporter
 from batchpilot_runtime.server.ready import RuntimeInfo, write_ready_file
+from batchpilot_runtime.server.step_log import StepLogObserver
 
 logger = logging.getLogger("batchpilot.runtime")
 
@@ -40,6 +41,7 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    step_log = None if config.step_log is None else StepLogObserver(metrics, config.step_log)
     engine = Engine.build(
         model_name=config.model_name,
         window=config.window,
@@ -55,13 +57,14 @@ def build_loaded_model(config: ServeConfig, metrics: MetricsExporter) -> LoadedM
         device=config.device,
         dtype=config.dtype,
         batch_invariant=config.batch_invariant,
-        observer=metrics,
+        observer=metrics if step_log is None else step_log,
     )
     async_engine = AsyncEngine(engine, stall_timeout_s=config.engine_stall_timeout_s)
     return LoadedModel(
         engine=async_engine,
         tokenizer=cast(TextCodec, engine.tokenizer),
         max_model_len=engine.max_model_len,
+        on_stop=None if step_log is None else step_log.close,
     )
 
 
@@ -119,6 +122,8 @@ class Runtime:
             if self.ctx.loaded is not None:
                 await self.ctx.loaded.engine.shutdown(drain=False)
         finally:
+            if self.ctx.loaded is not None and self.ctx.loaded.on_stop is not None:
+                self.ctx.loaded.on_stop()
             self.ctx.draining = True
             for server in servers:
                 server.should_exit = True
