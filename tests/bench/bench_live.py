@@ -60,6 +60,7 @@ from batchpilot_runtime.contract.window import Window
 from batchpilot_runtime.replay.cost_model import CostModel, load_cost_model
 from batchpilot_runtime.replay.loadgen import Endpoint, run_load
 from batchpilot_runtime.replay.trace import DEFAULT_TRACE_PATH, TraceRequest, read_trace
+from batchpilot_runtime.server.step_log import read_step_log
 from tests.bench.live_probe import (
     Grid,
     LightRun,
@@ -71,14 +72,17 @@ from tests.bench.live_probe import (
     search,
     slo_for,
 )
-from tests.bench.live_report import error_summary, plot_cell, print_cell, sim_error
+from tests.bench.live_report import error_summary, plot_cell, print_cell, sim_error, step_costs
 from tests.bench.live_servers import MODEL, EngineSetup, Served, serving
 
 POLICIES = ("defaults", "best_static", "adaptive")
 VLLM_BUDGET_TOKENS = 2048  # vLLM's max_num_batched_tokens on an A100 (bench_slo's ENGINE_DEFAULTS)
-LLAMA_DEFAULT_SLOTS = 4
+LLAMA_DEFAULT_SLOTS = 4  # llama-server's --parallel when unset (n_parallel -1: auto, 4)
 AZURE_MINUTES = 5.0  # the slice of the Azure trace every probe compresses
-SERVEGEN_MINUTES = 8.0  # a day of m-large, 2 minutes from each 6-hour window (bench_slo.servegen_day)  # llama-server's --parallel when unset (n_parallel -1: auto, 4)
+# Where a live search starts when neither the simulator nor another policy has answered: an engine under
+# a P99 SLO serves about half of what it completes in a closed burst (the base rate) on these traces.
+FIRST_GUESS = 0.5
+SERVEGEN_MINUTES = 8.0  # a day of m-large, 2 minutes from each 6-hour window (bench_slo.servegen_day)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ PRESETS = {
         runtime_windows=((16, 64), (8, 32), (32, 128), (4, 16), (64, 256), (16, 512)),
         llama_slots=(4, 8, 2, 16, 1),
         burst=32,
-        calibrate_s=120.0,
+        calibrate_s=240.0,
     ),
     "quick": Preset(
         duration_s=45.0,
@@ -118,7 +122,7 @@ PRESETS = {
         runtime_windows=((16, 64), (8, 32), (32, 128)),
         llama_slots=(4, 8, 2),
         burst=24,
-        calibrate_s=60.0,
+        calibrate_s=120.0,
     ),
     # The tests' two-probe search: the runtime's tiny model, two loads on the grid.
     "tiny": Preset(
@@ -270,6 +274,8 @@ class Cell:
         if self.cost is not None:
             record["simulated"] = self.simulate(served, arrivals, slo)
             record["error"] = sim_error(result, record["simulated"])
+            if running.step_log is not None and running.step_log.exists():
+                record["steps"] = step_costs(read_step_log(running.step_log), self.cost)
         self.probes.append(record)
         verdict = "meets" if result.meets else "stopped, lost" if stopped else "misses"
         print(f"  {self.setup.engine}/{self.trace_name} {served.label} x{multiplier:g}: {len(arrivals)} requests, "
@@ -312,6 +318,23 @@ class Cell:
         outcome, _ = evaluate(arrivals, 1.0, slo, self.cost, served.window, self.sim_spec(served, slo))
         return outcome.meets
 
+    def simulated_searches(self, slo: DualSLO, base_rate: float) -> dict[str, Any]:
+        """The simulator's answer to every search the cell runs live, on the same arrivals."""
+        simulated: dict[str, Any] = {}
+        grid = self.preset.grid
+        for policy in self.args.policies:
+            if policy == "best_static":
+
+                def sim_meets(window: Served, multiplier: float) -> bool:
+                    return self.sim_meets(window, multiplier, slo, base_rate)
+
+                best, window, _ = best_window_search(sim_meets, self.statics(), grid)
+                simulated["best_static"], simulated["best_static_window"] = best, window.label
+                continue
+            served = self.defaults() if policy == "defaults" else self.adaptive(slo)
+            simulated[policy] = search(partial(self.sim_meets_at, served, slo, base_rate), grid)
+        return simulated
+
     def run(self) -> dict[str, Any]:
         started = time.monotonic()
         light = self.light_run()
@@ -329,29 +352,22 @@ class Cell:
             "grid": self.preset.grid.__dict__,
             "live": {},
         }
-        simulated: dict[str, Any] = {}
         grid = self.preset.grid
+        simulated = self.simulated_searches(slo, base_rate) if self.cost is not None else {}
         for policy in self.args.policies:
+            # Each live search starts from the simulator's answer, or else the best live one so far.
+            guess = simulated.get(policy, max(cell["live"].values(), default=FIRST_GUESS))
             if policy == "best_static":
-                windows = self.statics()
 
                 def live_meets(window: Served, multiplier: float) -> bool:
                     return self.probe(window, multiplier, slo, base_rate).meets
 
-                def sim_meets(window: Served, multiplier: float) -> bool:
-                    return self.sim_meets(window, multiplier, slo, base_rate)
-
-                best, window, each = best_window_search(live_meets, windows, grid)
+                best, window, each = best_window_search(live_meets, self.statics(), grid, guess)
                 cell["live"]["best_static"] = best
                 cell["best_static_window"] = {"label": window.label, "each": each}
-                if self.cost is not None:
-                    sim_best, sim_window, _ = best_window_search(sim_meets, windows, grid)
-                    simulated["best_static"], simulated["best_static_window"] = sim_best, sim_window.label
                 continue
             served = self.defaults() if policy == "defaults" else self.adaptive(slo)
-            cell["live"][policy] = search(partial(self.probe_meets, served, slo, base_rate), grid)
-            if self.cost is not None:
-                simulated[policy] = search(partial(self.sim_meets_at, served, slo, base_rate), grid)
+            cell["live"][policy] = search(partial(self.probe_meets, served, slo, base_rate), grid, guess)
         if self.cost is not None:
             cell["simulated"] = simulated
             cell["sim_error"] = error_summary(self.probes)

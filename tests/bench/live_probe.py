@@ -187,16 +187,61 @@ class Grid:
             raise ValueError(f"a grid needs 0 < lo <= hi and step > 0, got {self}")
 
 
-def search(meets: Callable[[float], bool], grid: Grid) -> float:
-    """The capacity of one window or policy: ``sim.slo.bisect_capacity`` on the grid."""
-    return bisect_capacity(meets, grid.lo, grid.hi, grid.step)
+def search(meets: Callable[[float], bool], grid: Grid, guess: float | None = None) -> float:
+    """The capacity of one window or policy on the grid: ``sim.slo.bisect_capacity``, or with a ``guess``
+    (the simulator's answer, or another policy's live one) ``gallop_capacity`` from it."""
+    if guess is None:
+        return bisect_capacity(meets, grid.lo, grid.hi, grid.step)
+    return gallop_capacity(meets, grid, guess)
+
+
+def gallop_capacity(meets: Callable[[float], bool], grid: Grid, guess: float) -> float:
+    """The largest load on the grid at which ``meets`` holds (0 when ``grid.lo`` fails), found from
+    ``guess``: probe it, then step away from it by 1, 2, 4, ... grid steps until the answer changes,
+    then bisect between the last load that met and the first that did not. The same answer as
+    ``bisect_capacity`` for a monotone ``meets``; a live probe costs a minute, and a guess within a
+    step of the capacity costs two probes where bisecting the grid costs five or more."""
+    low_end, high_end = math.ceil(grid.lo / grid.step - 1e-9), math.floor(grid.hi / grid.step + 1e-9)
+
+    def at(index: int) -> float:
+        return round(index * grid.step, 6)
+
+    start = min(high_end, max(low_end, round(guess / grid.step)))
+    stride = 1
+    if meets(at(start)):
+        low = start
+        while True:
+            if low == high_end:
+                return at(low)
+            above = min(high_end, low + stride)
+            if not meets(at(above)):
+                high = above
+                break
+            low, stride = above, stride * 2
+    else:
+        high = start
+        while True:
+            if high == low_end:
+                return 0.0
+            below = max(low_end, high - stride)
+            if meets(at(below)):
+                low = below
+                break
+            high, stride = below, stride * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        if meets(at(mid)):
+            low = mid
+        else:
+            high = mid
+    return at(low)
 
 
 def best_window_search(
-    meets: Callable[[Any, float], bool], windows: Sequence[Any], grid: Grid
+    meets: Callable[[Any, float], bool], windows: Sequence[Any], grid: Grid, guess: float | None = None
 ) -> tuple[float, Any, dict[str, float | None]]:
     """The best fixed window in hindsight, with fewer probes than one search per window: the first window
-    is searched in full; each next one is first tried one step above the best capacity so far, and searched
+    is searched in full (from ``guess`` when given, see ``search``); each next one is first tried one step above the best capacity so far, and searched
     further only when it meets there (a window that cannot beat the best costs one probe). Returns the
     capacity, the window that reached it and each window's capacity by its label (None: not above the best
     so far, where its search stopped). No (window, load) is probed twice."""
@@ -210,14 +255,14 @@ def best_window_search(
             seen[key] = meets(window, multiplier)
         return seen[key]
 
-    best, best_window = search(lambda m: probe(windows[0], m), grid), windows[0]
+    best, best_window = search(lambda m: probe(windows[0], m), grid, guess), windows[0]
     found: dict[str, float | None] = {_label(windows[0]): best}
     for window in windows[1:]:
         above = round(best + grid.step, 6)
         if above > grid.hi + 1e-9 or not probe(window, above):
             found[_label(window)] = None
             continue
-        capacity = search(partial(probe, window), Grid(above, grid.hi, grid.step))
+        capacity = search(partial(probe, window), Grid(above, grid.hi, grid.step), above)
         found[_label(window)] = capacity
         if capacity > best:
             best, best_window = capacity, window

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from batchpilot_runtime.replay.cost_model import CostModel, StepComposition
 from tests.bench.live_probe import ProbeResult
 
 ERROR_LIMIT = 0.15  # the issue's bound on the simulator's error
@@ -31,6 +32,25 @@ def sim_error(live: ProbeResult, simulated: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def step_costs(steps: list[tuple[StepComposition, float]], cost: CostModel) -> dict[str, Any]:
+    """The runtime's logged steps against the cost model on the same compositions: live seconds over
+    modelled, over all steps and over those with and without prompt tokens. Near 1, the cost model is
+    right and an error in the latencies is the scheduler model's (or the traffic's); far from 1, the
+    step costs are what the simulator gets wrong."""
+
+    def ratio(chosen: list[tuple[StepComposition, float]]) -> float | None:
+        modelled = sum(cost.step_seconds(composition) for composition, _ in chosen)
+        return round(sum(seconds for _, seconds in chosen) / modelled, 4) if chosen and modelled > 0 else None
+
+    return {
+        "count": len(steps),
+        "live_s": round(sum(seconds for _, seconds in steps), 3),
+        "ratio": ratio(steps),
+        "prefill_ratio": ratio([s for s in steps if s[0].prefill_tokens > 0]),
+        "decode_ratio": ratio([s for s in steps if s[0].prefill_tokens == 0]),
+    }
+
+
 def error_summary(probes: list[dict[str, Any]]) -> dict[str, Any]:
     """The largest absolute error of each latency over a cell's compared probes, and how many were over
     ``ERROR_LIMIT``."""
@@ -40,6 +60,8 @@ def error_summary(probes: list[dict[str, Any]]) -> dict[str, Any]:
         errors = [abs(e[q]) for e in compared if e.get(q) is not None]
         summary[q] = {"max_abs": max(errors) if errors else None,
                       "over_limit": sum(1 for e in errors if e > ERROR_LIMIT)}  # fmt: skip
+    ratios = [p["steps"]["ratio"] for p in probes if p.get("steps", {}).get("ratio") is not None]
+    summary["step_cost_ratio"] = {"min": min(ratios), "max": max(ratios)} if ratios else None
     summary["verdicts_agree"] = sum(1 for p in probes if p.get("error", {}).get("meets_agree"))
     summary["probes"] = sum(1 for p in probes if "error" in p)
     return summary

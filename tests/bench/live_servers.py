@@ -67,6 +67,7 @@ class Served:
 class Running:
     url: str
     operator_dir: Path | None = None
+    step_log: Path | None = None  # the runtime's --step-log (every step it ran), once it has stopped
     notes: dict[str, Any] = field(default_factory=dict)
 
     def operator_report(self) -> dict[str, Any]:
@@ -196,9 +197,11 @@ def serving(
         if setup.engine == "batchpilot":
             model = ("--preset", "tiny") if setup.tiny else ("--checkpoint", "smollm2-135m-instruct")
             flags = (*model, "--threads", str(setup.threads), *runtime_flags(served.window))
-            runtime = stack.enter_context(runtime_process(workdir, *flags, model_name=MODEL, timeout_s=START_TIMEOUT_S))
+            step_log = workdir / "steps.jsonl"
+            runtime = stack.enter_context(runtime_process(workdir, *flags, "--step-log", str(step_log),
+                                                          model_name=MODEL, timeout_s=START_TIMEOUT_S))  # fmt: skip
             url, admin, token_file = runtime.serve_url, runtime.admin_url, runtime.info.admin_token_file
-            running = Running(url, notes={"command": ["batchpilot-runtime", "serve", *flags]})
+            running = Running(url, step_log=step_log, notes={"command": ["batchpilot-runtime", "serve", *flags]})
             engine_part = ""
         else:
             slots = served.slots

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot_operator.sim.slo import DualSLO
+from batchpilot_runtime.replay.cost_model import UNIT, StepComposition
 from batchpilot_runtime.replay.trace import TraceRequest
 from tests.bench.bench_live import parse_args
 from tests.bench.live_probe import (
@@ -18,12 +19,13 @@ from tests.bench.live_probe import (
     ProbeTally,
     allowed_misses,
     best_window_search,
+    gallop_capacity,
     judge_probe,
     probe_arrivals,
     search,
     slo_for,
 )
-from tests.bench.live_report import error_summary, relative_error, sim_error
+from tests.bench.live_report import error_summary, relative_error, sim_error, step_costs
 
 SLO = DualSLO(1.0, 0.05)
 TRACE = [TraceRequest(i * 0.5, 10 + i % 7, 5 + i % 3) for i in range(400)]
@@ -130,6 +132,34 @@ def test_one_search_finds_the_capacity_on_the_grid() -> None:
     assert search(lambda m: stand_in("w", m), Grid(0.8, 2.0, 0.1)) == 0.0
 
 
+@given(
+    capacity=st.integers(0, 25).map(lambda i: round(i * 0.1, 6)),
+    guess=st.floats(0.0, 3.0),
+    lo=st.integers(1, 10).map(lambda i: round(i * 0.1, 6)),
+)
+def test_galloping_from_any_guess_finds_what_bisecting_the_grid_finds(capacity: float, guess: float, lo: float) -> None:
+    grid = Grid(lo, 2.0, 0.1)
+    bisected = search(lambda m: m <= capacity + 1e-9, grid)
+    probes: list[float] = []
+
+    def meets(m: float) -> bool:
+        probes.append(m)
+        return m <= capacity + 1e-9
+
+    assert gallop_capacity(meets, grid, guess) == bisected
+    assert len(probes) == len(set(probes))  # no load probed twice
+    assert all(lo - 1e-9 <= m <= 2.0 + 1e-9 for m in probes)
+
+
+def test_a_guess_at_the_capacity_costs_two_probes() -> None:
+    stand_in = StandIn({"w": 0.7})
+    assert search(lambda m: stand_in("w", m), Grid(0.1, 2.0, 0.1), guess=0.7) == 0.7
+    assert stand_in.probes == [("w", 0.7), ("w", 0.8)]
+    stand_in = StandIn({"w": 0.0})
+    assert search(lambda m: stand_in("w", m), Grid(0.1, 2.0, 0.1), guess=0.1) == 0.0
+    assert stand_in.probes == [("w", 0.1)]
+
+
 def test_the_best_window_costs_one_probe_per_window_that_cannot_beat_the_best_so_far() -> None:
     stand_in = StandIn({"a": 0.5, "b": 0.3, "c": 1.2, "d": 0.6})
     best, window, each = best_window_search(stand_in, ["a", "b", "c", "d"], Grid(0.1, 2.0, 0.1))
@@ -137,6 +167,20 @@ def test_the_best_window_costs_one_probe_per_window_that_cannot_beat_the_best_so
     assert each == {"a": 0.5, "b": None, "c": 1.2, "d": None}
     assert [p for p in stand_in.probes if p[0] in ("b", "d")] == [("b", 0.6), ("d", 1.3)]
     assert len(stand_in.probes) == len(set(stand_in.probes))  # no load probed twice
+
+
+def test_logged_steps_are_set_against_the_cost_model_on_the_same_compositions() -> None:
+    # UNIT: 10 ms a step + 1 ms a prompt token + 1 ms a decoding sequence.
+    steps = [
+        (StepComposition(0, 10, 500), 0.02),
+        (StepComposition(0, 10, 900), 0.03),
+        (StepComposition(30, 0, 30), 0.06),
+    ]
+    figures = step_costs(steps, UNIT)
+    assert figures == {"count": 3, "live_s": 0.11, "ratio": round(0.11 / 0.08, 4), "prefill_ratio": 1.5,
+                       "decode_ratio": 1.25}  # fmt: skip
+    summary = error_summary([{"steps": figures}, {"steps": step_costs(steps[:1], UNIT)}])
+    assert summary["step_cost_ratio"] == {"min": 1.0, "max": round(0.11 / 0.08, 4)}
 
 
 def test_the_simulators_error_is_relative_to_the_live_figure_and_skips_stopped_probes() -> None:
