@@ -106,6 +106,7 @@ def test_lanes_take_defaults_from_the_main_window() -> None:
         (["--engine-stall-timeout-s", "-5"], "--engine-stall-timeout-s"),
         (["--engine-stall-timeout-s", "inf"], "--engine-stall-timeout-s must be a finite number > 0, got inf"),
         (["--engine-stall-timeout-s", "nan"], "--engine-stall-timeout-s"),
+        (["--step-log", "/nonexistent-dir/steps.jsonl"], "--step-log: no directory '/nonexistent-dir'"),
     ],
 )
 def test_bad_settings_name_the_flag(argv: list[str], message: str) -> None:

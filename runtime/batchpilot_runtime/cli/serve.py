@@ -140,6 +140,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"--drain-timeout-s must be > 0, got {args.drain_timeout_s}")
     if not (math.isfinite(args.engine_stall_timeout_s) and args.engine_stall_timeout_s > 0):
         raise ValueError(f"--engine-stall-timeout-s must be a finite number > 0, got {args.engine_stall_timeout_s}")
+    if args.step_log is not None and not args.step_log.parent.is_dir():
+        raise ValueError(f"--step-log: no directory {str(args.step_log.parent)!r} to write {args.step_log.name!r} in")
     return ServeConfig(
         model_name=args.model_name or (source.name if source else f"batchpilot-{args.preset}"),
         window=window,

@@ -16,6 +16,7 @@ line-buffered, and closed when the runtime stops; one line costs a few microseco
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,13 +72,16 @@ class StepLogObserver:
         self.inner = inner
         self.path = path
         self._file: IO[str] = path.open("w", buffering=1)
+        # close() comes from the event loop's thread; after a failed start the engine thread may still step.
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
     def on_step(self, stats: StepStats, step_seconds: float, forward_seconds: float) -> None:
         self.inner.on_step(stats, step_seconds, forward_seconds)
-        if stats.batch_size > 0 and not self._file.closed:
+        if stats.batch_size > 0:
             line = {
                 "at_s": round(time.monotonic() - step_seconds, 6),
                 "seconds": round(step_seconds, 7),
@@ -87,7 +91,9 @@ class StepLogObserver:
                 "kv_tokens": stats.kv_tokens,
                 "batch_size": stats.batch_size,
             }
-            self._file.write(json.dumps(line) + "\n")
+            with self._lock:
+                if not self._file.closed:
+                    self._file.write(json.dumps(line) + "\n")
 
     def on_admitted(self, lane: str, queue_wait_s: float) -> None:
         self.inner.on_admitted(lane, queue_wait_s)
