@@ -8,11 +8,12 @@ so that a shared machine's noise does not enter the fit). Each scenario admits
 ``batch`` requests of ``prompt`` tokens together (one prefill step of batch x prompt tokens),
 then decodes them (steps of ``batch`` sequences over a growing KV), and a staggered variant
 mixes prefill chunks with decodes and contexts of different lengths (every second request, a
-quarter of the prompt, joins three steps later), as a server's steps do. Scenarios run corners first (``scenario_order``), so that
-``--max-seconds`` never drops a whole range of contexts: the KV term is only measurable from
-steps whose sequences attend to long contexts, and a fit without them charges nothing for the
-context (on this project's CPU host that made the simulator's steps 29 % shorter than the live
-server's on the Azure trace). The ``(composition, seconds)`` samples are fitted by
+quarter of the prompt, joins three steps later), as a server's steps do. Scenarios run corners
+first (``scenario_order``), so that ``--max-seconds`` never drops a whole range of contexts: the
+KV term is only measurable from steps whose sequences attend to long contexts, and a fit without
+them charges nothing for the context (on this project's CPU host the live server's steps then
+took 1.29x the model's on the Azure trace). ``--from-step-log FILE`` fits the steps a serving
+runtime logged (``serve --step-log``) instead. The ``(composition, seconds)`` samples are fitted by
 non-negative least squares (:func:`batchpilot_runtime.replay.cost_model.fit_cost_model`) and written as
 JSON that ``batchpilot-operator simulate --cost-profile FILE`` reads.
 """
