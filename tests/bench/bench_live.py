@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -283,12 +284,6 @@ class Cell:
               f"({result.wall_s:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
         return result
 
-    def probe_meets(self, served: Served, slo: DualSLO, base_rate: float, multiplier: float) -> bool:
-        return self.probe(served, multiplier, slo, base_rate).meets
-
-    def sim_meets_at(self, served: Served, slo: DualSLO, base_rate: float, multiplier: float) -> bool:
-        return self.sim_meets(served, multiplier, slo, base_rate)
-
     def sim_spec(self, served: Served, slo: DualSLO) -> Any:
         return self.sim_spec_from(slo, served.window) if served.adaptive else None
 
@@ -318,21 +313,27 @@ class Cell:
         outcome, _ = evaluate(arrivals, 1.0, slo, self.cost, served.window, self.sim_spec(served, slo))
         return outcome.meets
 
+    def search_policy(
+        self, policy: str, slo: DualSLO, meets: Callable[[Served, float], bool], guess: float | None = None
+    ) -> tuple[float, dict[str, Any] | None]:
+        """One policy's capacity, with ``meets`` a live probe or the simulator's replay; for best_static
+        also the window that reached it and each window's capacity."""
+        grid = self.preset.grid
+        if policy == "best_static":
+            best, window, each = best_window_search(meets, self.statics(), grid, guess)
+            return best, {"label": window.label, "each": each}
+        served = self.defaults() if policy == "defaults" else self.adaptive(slo)
+        return search(partial(meets, served), grid, guess), None
+
     def simulated_searches(self, slo: DualSLO, base_rate: float) -> dict[str, Any]:
         """The simulator's answer to every search the cell runs live, on the same arrivals."""
         simulated: dict[str, Any] = {}
-        grid = self.preset.grid
         for policy in self.args.policies:
-            if policy == "best_static":
-
-                def sim_meets(window: Served, multiplier: float) -> bool:
-                    return self.sim_meets(window, multiplier, slo, base_rate)
-
-                best, window, _ = best_window_search(sim_meets, self.statics(), grid)
-                simulated["best_static"], simulated["best_static_window"] = best, window.label
-                continue
-            served = self.defaults() if policy == "defaults" else self.adaptive(slo)
-            simulated[policy] = search(partial(self.sim_meets_at, served, slo, base_rate), grid)
+            simulated[policy], found = self.search_policy(
+                policy, slo, lambda window, m: self.sim_meets(window, m, slo, base_rate)
+            )
+            if found is not None:
+                simulated["best_static_window"] = found["label"]
         return simulated
 
     def run(self) -> dict[str, Any]:
@@ -352,22 +353,15 @@ class Cell:
             "grid": self.preset.grid.__dict__,
             "live": {},
         }
-        grid = self.preset.grid
         simulated = self.simulated_searches(slo, base_rate) if self.cost is not None else {}
         for policy in self.args.policies:
             # Each live search starts from the simulator's answer, or else the best live one so far.
             guess = simulated.get(policy, max(cell["live"].values(), default=FIRST_GUESS))
-            if policy == "best_static":
-
-                def live_meets(window: Served, multiplier: float) -> bool:
-                    return self.probe(window, multiplier, slo, base_rate).meets
-
-                best, window, each = best_window_search(live_meets, self.statics(), grid, guess)
-                cell["live"]["best_static"] = best
-                cell["best_static_window"] = {"label": window.label, "each": each}
-                continue
-            served = self.defaults() if policy == "defaults" else self.adaptive(slo)
-            cell["live"][policy] = search(partial(self.probe_meets, served, slo, base_rate), grid, guess)
+            cell["live"][policy], found = self.search_policy(
+                policy, slo, lambda window, m: self.probe(window, m, slo, base_rate).meets, guess
+            )
+            if found is not None:
+                cell["best_static_window"] = found
         if self.cost is not None:
             cell["simulated"] = simulated
             cell["sim_error"] = error_summary(self.probes)
